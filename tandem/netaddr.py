@@ -1,0 +1,45 @@
+"""`host:port` strings with IPv4, IPv6 (bracketed) and names."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """`"127.0.0.1:80"` -> `("127.0.0.1", 80)`; `"[::1]:80"` -> `("::1", 80)`. Raises ValueError on bad input."""
+    if address.startswith("["):
+        host, sep, rest = address[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"bad address {address!r}: expected [ipv6]:port")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if not sep or ":" in host:
+            raise ValueError(f"bad address {address!r}: expected host:port (bracket IPv6 hosts)")
+    if not host:
+        raise ValueError(f"bad address {address!r}: missing host")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"bad address {address!r}: port is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"bad address {address!r}: port out of range")
+    return host, port
+
+
+def join_host_port(host: str, port: int) -> str:
+    """The inverse of `split_host_port`: brackets IPv6 literals."""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]:{port}"
+    except ValueError:
+        pass
+    return f"{host}:{port}"
+
+
+def is_wildcard(host: str) -> bool:
+    """True for 0.0.0.0 and ::, which can be listened on but not advertised."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False

@@ -1,0 +1,3 @@
+"""The one version source of the Tandem packages."""
+
+__version__ = "0.1.0"
