@@ -1,0 +1,85 @@
+"""The conductor process: index core, gRPC service, direct ZMQ sources and the housekeeping tick, wired once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import zmq.asyncio
+
+from conductor.config import ConductorConfig
+from conductor.direct import DirectSource
+from conductor.freshness import SequenceTracker
+from conductor.index import KvIndex
+from conductor.ingest import IngestCore
+from conductor.service import ConductorService
+from tandem.v1 import conductor_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tandem.v1.Conductor"
+
+
+class Conductor:
+    """Everything the conductor runs, startable inside any asyncio loop (the process, or a test)."""
+
+    def __init__(self, config: ConductorConfig) -> None:
+        self.config = config
+        self.index = KvIndex(config.max_entries, config.eviction)
+        self.core = IngestCore(
+            self.index, SequenceTracker(config.max_pending_batches, config.replay_timeout_s)
+        )
+        self.service = ConductorService(self.core, config)
+        self.ctx: zmq.asyncio.Context | None = None
+        self.direct: list[DirectSource] = []
+        self._tick: asyncio.Task | None = None
+
+    def add_to(self, server) -> None:
+        """Adds the `Conductor` service to a `grpc.aio` server."""
+        conductor_pb2_grpc.add_ConductorServicer_to_server(self.service, server)
+
+    def extra_counters(self) -> dict[str, int]:
+        return {
+            "rejected_batches": self.service.rejected_batches,
+            "matches": self.service.matches,
+            "truncated_matches": self.service.truncated_matches,
+            "dropped_replay_requests": self.service.dropped_replays,
+            "direct_dropped_batches": sum(d.dropped for d in self.direct),
+            "decode_errors": sum(d.decode_errors for d in self.direct),
+        }
+
+    async def start(self) -> None:
+        """Starts the direct sources and the tick (replay deadlines)."""
+        if self.config.direct_endpoints:
+            self.ctx = zmq.asyncio.Context()
+            for ep in self.config.direct_endpoints:
+                src = DirectSource(
+                    self.core, ep, self.ctx, self.config.direct_queue_size, self.config.replay_timeout_s
+                )
+                src.start()
+                self.direct.append(src)
+                log.info(
+                    "direct subscription", extra={"instance_id": ep.instance_id, "endpoint": ep.endpoint}
+                )
+        self._tick = asyncio.create_task(self._ticker())
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                self.core.tick()
+            except Exception:  # keep ticking: a bug here must not stop replay deadlines
+                log.exception("tick failed")
+
+    async def stop(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick
+        for src in self.direct:
+            await src.stop()
+        self.direct = []
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None

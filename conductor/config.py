@@ -1,0 +1,78 @@
+"""Configuration of the conductor: the `conductor:` section of the mesh YAML."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tandem.netaddr import split_host_port
+
+#: What goes first when the index reaches `max_entries`.
+#: - `oldest_first`: the holder (engine rank) with the most entries loses its oldest-stored blocks, down to 95%
+#:   of the bound; engines evict least-recently-used blocks, so the oldest stored are the likeliest gone already.
+#: - `reject_new`: entries already indexed stay, new ones are refused (and counted) until removals make room.
+EvictionPolicy = Literal["oldest_first", "reject_new"]
+
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def _check_loopback(address: str) -> str:
+    host, _ = split_host_port(address)
+    if host not in _LOOPBACK:
+        raise ValueError(f"{address!r}: the conductor binds only 127.0.0.1 or [::1] (Envoy fronts it)")
+    return address
+
+
+class DirectEndpoint(BaseModel):
+    """An engine rank whose KV events the conductor reads itself (no node agent manages it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1)
+    """Instance id, as registered with the coordinator."""
+    model: str = Field(min_length=1)
+    """Model the instance serves (`--served-model-name`)."""
+    block_size: int = Field(gt=0)
+    """KV block size in tokens (`--block-size`)."""
+    endpoint: str = Field(min_length=1)
+    """The engine's KV event PUB socket to connect to, `tcp://127.0.0.1:5557` or `ipc:///path` (already +dp_rank)."""
+    replay_endpoint: str | None = None
+    """The engine's replay ROUTER socket; without it a sequence gap clears the rank's entries."""
+    dp_rank: int = Field(default=0, ge=0)
+    """The data-parallel rank this endpoint publishes."""
+    topic: str = ""
+    """ZMQ topic to subscribe to (vLLM's `topic`, empty by default)."""
+
+
+class ConductorConfig(BaseModel):
+    """The conductor process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str = "127.0.0.1:9200"
+    """gRPC address (`Conductor`, health, reflection); loopback only."""
+    metrics_listen: str = "127.0.0.1:9201"
+    """Prometheus `/metrics` address; loopback only."""
+    max_entries: int = Field(default=20_000_000, gt=0)
+    """Memory bound: the most (block, holder) entries kept, about 200 bytes each (20M ~ 4 GB at worst)."""
+    eviction: EvictionPolicy = "oldest_first"
+    """What goes first at the bound: `oldest_first` (largest holder's oldest blocks) or `reject_new`."""
+    match_deadline_ms: float = Field(default=50.0, gt=0)
+    """A `Match` walk past this budget stops where it is: hits are reported up to the blocks walked (an
+    underestimate, never a false hit) and the truncation is counted."""
+    replay_timeout_s: float = Field(default=10.0, gt=0)
+    """A replay not finished within this time counts as unrecoverable: the rank's entries are cleared."""
+    max_pending_batches: int = Field(default=10_000, gt=0)
+    """Live batches held per rank while its replay runs; more and the replay is given up (rank cleared)."""
+    replay_queue_size: int = Field(default=1024, gt=0)
+    """Replay requests queued per agent stream; overflow is dropped and counted (the gap clears on timeout)."""
+    direct_endpoints: list[DirectEndpoint] = Field(default_factory=list)
+    """Engine ranks the conductor subscribes to directly (SUB + DEALER replay), for engines without an agent."""
+    direct_queue_size: int = Field(default=10_000, gt=0)
+    """Batches buffered per direct endpoint between the socket and the index; overflow is dropped and counted."""
+
+    @field_validator("listen", "metrics_listen")
+    @classmethod
+    def _loopback(cls, value: str) -> str:
+        return _check_loopback(value)

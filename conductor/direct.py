@@ -1,0 +1,125 @@
+"""Direct ZMQ mode: the conductor subscribes itself to engines that no node agent manages.
+
+Per configured endpoint: a SUB socket on the engine's publisher and, on a gap, a DEALER on its replay socket.
+Batches go through the same decoder (`tandem.kv_events`) and the same `IngestCore` as the agents' streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from conductor.config import DirectEndpoint
+from conductor.ingest import IncomingBatch, IngestCore
+from node_agent.kv_relay import replay_batches
+from tandem.kv_events import KvEventDecodeError, decode_batch, split_message
+
+log = logging.getLogger(__name__)
+
+
+class DirectSource:
+    """One engine rank read directly; a source token for `IngestCore`."""
+
+    def __init__(
+        self,
+        core: IngestCore,
+        ep: DirectEndpoint,
+        ctx: zmq.asyncio.Context,
+        queue_size: int = 10_000,
+        replay_timeout_s: float = 10.0,
+    ) -> None:
+        self.core = core
+        self.ep = ep
+        self.ctx = ctx
+        self.replay_timeout_s = replay_timeout_s
+        # bounded: when the index falls behind, batches are dropped (counted) and the gap is replayed later
+        self.queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=queue_size)
+        self.dropped = 0
+        self.decode_errors = 0
+        self._tasks: list[asyncio.Task] = []
+
+    def __repr__(self) -> str:
+        return f"DirectSource({self.ep.instance_id}/{self.ep.dp_rank} {self.ep.endpoint})"
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._apply())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _receive(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.ep.topic.encode())
+        sub.connect(self.ep.endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    _, seq, payload = split_message(frames)
+                except KvEventDecodeError:
+                    self.decode_errors += 1
+                    continue
+                try:
+                    self.queue.put_nowait((seq, payload))
+                except asyncio.QueueFull:
+                    self.dropped += 1
+        finally:
+            sub.close(0)
+
+    def _incoming(self, seq: int, payload: bytes, replayed: bool) -> IncomingBatch | None:
+        try:
+            batch = decode_batch(payload)
+        except KvEventDecodeError:
+            self.decode_errors += 1
+            return None
+        ep = self.ep
+        return IncomingBatch(
+            ep.instance_id, ep.dp_rank, seq, ep.model, ep.block_size, batch.ts, batch.events, replayed
+        )
+
+    async def _apply(self) -> None:
+        can_replay = self.ep.replay_endpoint is not None
+        while True:
+            seq, payload = await self.queue.get()
+            b = self._incoming(seq, payload, replayed=False)
+            if b is None:
+                continue
+            ask = self.core.batch(b, self, can_replay)
+            if ask is not None:
+                await self._replay(ask.from_sequence)
+
+    async def _replay(self, from_seq: int) -> None:
+        """Replays inline; live batches wait in the bounded queue meanwhile (held by the tracker once read)."""
+        ep = self.ep
+        first: int | None = None
+        try:
+            async for seq, payload in replay_batches(
+                self.ctx, ep.replay_endpoint or "", from_seq, self.replay_timeout_s
+            ):
+                first = seq if first is None else first
+                b = self._incoming(seq, payload, replayed=True)
+                if b is not None:
+                    self.core.batch(b, self, True)
+        except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
+            log.warning(
+                "replay failed", extra={"instance_id": ep.instance_id, "dp_rank": ep.dp_rank, "err": str(exc)}
+            )
+            first = None
+        recovered = first == from_seq
+        self.core.replay_done(ep.instance_id, ep.dp_rank, recovered)
+        log.info(
+            "replay done",
+            extra={
+                "instance_id": ep.instance_id,
+                "dp_rank": ep.dp_rank,
+                "from": from_seq,
+                "recovered": recovered,
+            },
+        )

@@ -1,0 +1,112 @@
+"""`tandem.v1.Conductor` over grpc.aio: a thin shell over `IngestCore` and `match`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from conductor.config import ConductorConfig
+from conductor.convert import batch_from_pb, match_to_pb, stats_to_pb
+from conductor.ingest import IngestCore
+from conductor.match import match
+from tandem.v1 import conductor_pb2, conductor_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class AgentStream:
+    """One node agent's `Ingest` stream: a source token for `IngestCore` and its bounded replay-request queue."""
+
+    def __init__(self, peer: str, size: int) -> None:
+        self.peer = peer
+        self.replies: asyncio.Queue[conductor_pb2.IngestResponse] = asyncio.Queue(maxsize=size)
+        self.dropped = 0
+
+    def __repr__(self) -> str:
+        return f"AgentStream({self.peer})"
+
+
+class ConductorService(conductor_pb2_grpc.ConductorServicer):
+    """Ingest from node agents, Match for the coordinator, GetIndexStats for operators."""
+
+    def __init__(self, core: IngestCore, config: ConductorConfig) -> None:
+        self.core = core
+        self.config = config
+        self.streams: set[AgentStream] = set()
+        self.rejected_batches = 0
+        self.matches = 0
+        self.truncated_matches = 0
+        self.dropped_replays = 0
+
+    async def Ingest(self, request_iterator, context: grpc.aio.ServicerContext):
+        stream = AgentStream(context.peer(), self.config.replay_queue_size)
+        self.streams.add(stream)
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        log.info("agent connected", extra={"peer": stream.peer})
+        try:
+            while True:
+                get = asyncio.ensure_future(stream.replies.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    yield get.result()
+                    continue
+                get.cancel()
+                while not stream.replies.empty():  # replay requests decided on the last messages
+                    yield stream.replies.get_nowait()
+                break
+            reader.result()
+        finally:
+            reader.cancel()
+            self.streams.discard(stream)
+            self.core.source_lost(stream)
+            log.info("agent disconnected", extra={"peer": stream.peer})
+
+    async def _read(self, request_iterator, stream: AgentStream) -> None:
+        core = self.core
+        async for req in request_iterator:
+            kind = req.WhichOneof("message")
+            if kind == "batch":
+                b = req.batch
+                if not b.instance_id or b.block_size == 0 or not b.model:
+                    self.rejected_batches += 1
+                    continue
+                ask = core.batch(batch_from_pb(b), stream, can_replay=True)
+                if ask is not None:
+                    msg = conductor_pb2.IngestResponse(
+                        replay=conductor_pb2.ReplayRequest(
+                            instance_id=ask.instance_id, dp_rank=ask.dp_rank, from_sequence=ask.from_sequence
+                        )
+                    )
+                    try:
+                        stream.replies.put_nowait(msg)
+                    except asyncio.QueueFull:  # the rank's replay times out and is cleared
+                        self.dropped_replays += 1
+            elif kind == "replay_done":
+                d = req.replay_done
+                core.replay_done(d.instance_id, d.dp_rank, d.recovered)
+            elif kind == "instance_gone":
+                core.instance_gone(req.instance_gone.instance_id)
+
+    async def Match(self, request_iterator, context: grpc.aio.ServicerContext):
+        budget = self.config.match_deadline_ms / 1000.0
+        index = self.core.index
+        async for req in request_iterator:
+            result = match(
+                index,
+                req.model,
+                token_ids=req.token_ids,
+                block_hashes=req.block_hashes,
+                block_size=req.block_size,
+                candidates=req.candidate_instance_ids,
+                deadline=time.perf_counter() + budget,
+            )
+            self.matches += 1
+            if result.truncated:
+                self.truncated_matches += 1
+            yield match_to_pb(req.request_id, result)
+
+    async def GetIndexStats(self, request, context: grpc.aio.ServicerContext):
+        return stats_to_pb(self.core.stats())

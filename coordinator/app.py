@@ -1,0 +1,89 @@
+"""Wires the coordinator process: picker core, ext_proc, Registry, Admin, Metaserver, mesh health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from coordinator import mesh_health
+from coordinator.ext_proc import ExternalProcessor
+from coordinator.instances import InstanceTable
+from coordinator.picker import EndpointPicker, TokenizerCache
+from coordinator.scheduling import create_policy
+from coordinator.services import (
+    AdminService,
+    MetaserverService,
+    RegistryService,
+    config_as_yaml,
+    publish_instance_counts,
+)
+from coordinator.workload import WorkloadLedger
+from tandem.config import MeshConfig
+from tandem.grpc_server import GrpcApp
+from tandem.tokenizer import load_tokenizer
+from tandem.v1 import (  # noqa: F401 - conductor_pb2 and node_agent_pb2 put their descriptors in reflection's pool
+    admin_pb2_grpc,
+    conductor_pb2,
+    metaserver_pb2_grpc,
+    node_agent_pb2,
+    registry_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def build(mesh: MeshConfig) -> tuple[GrpcApp, EndpointPicker, RegistryService]:
+    """The coordinator's gRPC app, ready to run."""
+    config = mesh.coordinator
+    instances = InstanceTable(m.name for m in mesh.models)
+    tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
+    picker = EndpointPicker(config, instances, WorkloadLedger(), create_policy(config.scheduler.policy), tokenizers)
+    for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
+        tokenizers.get(model.name)
+    app = GrpcApp("coordinator", config.listen, config.metrics_listen)
+    ext_proc = ExternalProcessor(picker)
+    registry = RegistryService(instances, config)
+    app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
+    app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)
+    admin = AdminService(picker, ext_proc.counters, config_as_yaml(mesh), mesh.path)
+    app.add_service("tandem.v1.Admin", admin_pb2_grpc.add_AdminServicer_to_server, admin)
+    app.add_service("tandem.v1.Metaserver", metaserver_pb2_grpc.add_MetaserverServicer_to_server, MetaserverService())
+    # Reflection on Envoy's :9000 is answered here, so it describes every service the listener routes.
+    app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
+    return app, picker, registry
+
+
+async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
+    """Marks instances without heartbeats for three intervals unhealthy."""
+    while True:
+        await asyncio.sleep(interval_s)
+        expired = picker.instances.expire(3 * interval_s)
+        if expired:
+            log.warning("instances silent, marked unhealthy", extra={"instances": expired})
+            publish_instance_counts(picker.instances)
+
+
+async def run(mesh: MeshConfig) -> None:
+    """Serves until SIGTERM."""
+    app, picker, registry = build(mesh)
+    tasks: list[asyncio.Task] = []
+
+    async def after_start() -> None:
+        tasks.append(asyncio.create_task(expire_silent(picker, mesh.coordinator.heartbeat_interval_s)))
+        tasks.append(asyncio.create_task(mesh_health.watch_conductor(app.health, mesh.conductor.listen)))
+        tasks.append(asyncio.create_task(mesh_health.watch_agents(app.health, registry)))
+
+    async def cancel_tasks() -> None:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app.on_stop(cancel_tasks)
+    await app.run(after_start)

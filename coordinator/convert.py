@@ -1,0 +1,97 @@
+"""Conversions between `tandem.v1` messages and the coordinator's dataclasses (edges only)."""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from coordinator.instances import EngineLoad, Health, InstanceInfo, InstanceState
+from tandem.v1 import admin_pb2, common_pb2
+
+ROLE_NAMES = {common_pb2.ROLE_HYBRID: "hybrid", common_pb2.ROLE_PREFILL: "prefill", common_pb2.ROLE_DECODE: "decode"}
+ROLE_VALUES = {v: k for k, v in ROLE_NAMES.items()}
+DISPATCH_NAMES = {
+    common_pb2.DISPATCH_CAPABILITY_AGGREGATED: "aggregated",
+    common_pb2.DISPATCH_CAPABILITY_HANDOFF: "handoff",
+    common_pb2.DISPATCH_CAPABILITY_TRIGGER: "trigger",
+}
+DISPATCH_VALUES = {v: k for k, v in DISPATCH_NAMES.items()}
+HEALTH_VALUES = {
+    Health.STARTING: common_pb2.HEALTH_STARTING,
+    Health.HEALTHY: common_pb2.HEALTH_HEALTHY,
+    Health.UNHEALTHY: common_pb2.HEALTH_UNHEALTHY,
+}
+HEALTH_NAMES = {v: k for k, v in HEALTH_VALUES.items()}
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def instance_from_proto(msg: common_pb2.Instance) -> InstanceInfo:
+    """An `Instance` message as a dataclass; ValueError naming the bad field."""
+    if not msg.instance_id:
+        raise ValueError("instance.instance_id is required")
+    if not msg.model:
+        raise ValueError("instance.model is required")
+    if not msg.address:
+        raise ValueError("instance.address is required")
+    if msg.role not in ROLE_NAMES:
+        raise ValueError("instance.role must be set (ROLE_HYBRID, ROLE_PREFILL or ROLE_DECODE)")
+    if msg.dispatch_capability not in DISPATCH_NAMES:
+        raise ValueError("instance.dispatch_capability must be set")
+    return InstanceInfo(
+        instance_id=msg.instance_id,
+        model=msg.model,
+        address=msg.address,
+        role=ROLE_NAMES[msg.role],
+        dispatch=DISPATCH_NAMES[msg.dispatch_capability],
+        node_id=msg.node_id,
+        backend=msg.backend,
+        block_size=msg.block_size or 16,
+        data_parallel_size=msg.data_parallel_size or 1,
+        kv_connector=msg.kv_connector,
+    )
+
+
+def instance_to_proto(info: InstanceInfo) -> common_pb2.Instance:
+    """The dataclass as an `Instance` message."""
+    return common_pb2.Instance(
+        instance_id=info.instance_id,
+        model=info.model,
+        address=info.address,
+        role=ROLE_VALUES[info.role],
+        dispatch_capability=DISPATCH_VALUES[info.dispatch],
+        node_id=info.node_id,
+        backend=info.backend,
+        block_size=info.block_size,
+        data_parallel_size=info.data_parallel_size,
+        kv_connector=info.kv_connector,
+    )
+
+
+def load_from_proto(msg: common_pb2.InstanceLoad) -> EngineLoad:
+    """An `InstanceLoad` message as a dataclass."""
+    sampled = msg.sampled_at.ToNanoseconds() / 1e9 if msg.HasField("sampled_at") else 0.0
+    return EngineLoad(msg.running_requests, msg.waiting_requests, msg.kv_cache_usage, sampled)
+
+
+def status_to_proto(state: InstanceState, workload_tokens: int, inflight: int) -> admin_pb2.InstanceStatus:
+    """What Admin shows about one instance."""
+    load = state.load
+    return admin_pb2.InstanceStatus(
+        instance=instance_to_proto(state.info),
+        health=HEALTH_VALUES[state.health],
+        load=common_pb2.InstanceLoad(
+            running_requests=load.running,
+            waiting_requests=load.waiting,
+            kv_cache_usage=load.kv_cache_usage,
+            sampled_at=_timestamp(load.sampled_at) if load.sampled_at else None,
+        ),
+        drained=state.drained,
+        workload_tokens=workload_tokens,
+        inflight_requests=inflight,
+        registered_at=_timestamp(state.registered_at),
+        last_heartbeat_at=_timestamp(state.last_heartbeat_at),
+    )

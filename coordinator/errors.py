@@ -1,0 +1,35 @@
+"""Errors the coordinator answers itself, in OpenAI's JSON error shape as vLLM writes it."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+
+_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """An error for an HTTP client: status code, message and the offending parameter, if any."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @property
+    def type(self) -> str:
+        """vLLM's error type name for the status."""
+        return _TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
+
+    def body(self) -> bytes:
+        """`{"error": {"message", "type", "param", "code"}}` as JSON bytes."""
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        return json.dumps({"error": error}).encode()

@@ -1,0 +1,88 @@
+"""Understanding an OpenAI request body: validation, prompt tokens and the figures scheduling needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.errors import OpenAIError
+from tandem.tokenizer import Tokenizer, prompt_token_ids
+
+#: Paths the coordinator routes, and the API name `tandem.tokenizer.prompt_token_ids` knows them by.
+ROUTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    """A validated OpenAI request."""
+
+    api: str  # "completions" | "chat.completions"
+    model: str
+    stream: bool
+    body: dict[str, Any]
+    prompts: list[list[int]]  # prompt token ids, one list per prompt
+    max_tokens: int  # output tokens counted for workload, over all prompts and choices
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Input sequence length over all prompts."""
+        return sum(len(p) for p in self.prompts)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body; OpenAIError 400 for anything else."""
+    if not raw:
+        raise OpenAIError(400, "The request body is empty; expected a JSON object.")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OpenAIError(400, f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"The request body must be a JSON object, not {type(body).__name__}.")
+    return body
+
+
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OpenAIError(400, f"`{key}` must be a positive integer, got {json.dumps(value)}.", key)
+    return value
+
+
+def model_of(body: dict[str, Any]) -> str:
+    """The `model` field; OpenAIError 400 when missing or not a string."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(400, "`model` is required and must be a non-empty string.", "model")
+    return model
+
+
+def understand(api: str, body: dict[str, Any], tokenizer: Tokenizer, default_max_tokens: int) -> OpenAIRequest:
+    """Validates the fields scheduling relies on and tokenizes the prompt as the engine will."""
+    model = model_of(body)
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise OpenAIError(400, f"`stream` must be a boolean, got {json.dumps(stream)}.", "stream")
+    if api == "chat.completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise OpenAIError(400, "`messages` is required and must be a non-empty array.", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise OpenAIError(400, f"`messages[{i}]` must be an object with a string `role`.", "messages")
+    elif "prompt" not in body:
+        raise OpenAIError(400, "`prompt` is required.", "prompt")
+    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    n = _positive_int(body, "n") or 1
+    try:
+        prompts = prompt_token_ids(tokenizer, api, body)
+    except ValueError as exc:
+        param = "messages" if api == "chat.completions" else "prompt"
+        raise OpenAIError(400, str(exc), param) from None
+    per_choice = max_tokens if max_tokens is not None else default_max_tokens
+    return OpenAIRequest(api, model, stream, body, prompts, per_choice * n * len(prompts))

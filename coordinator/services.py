@@ -1,0 +1,143 @@
+"""gRPC shells of the coordinator: Registry (node agents), Admin (operators), Metaserver (trigger callbacks)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import yaml
+from google.protobuf.duration_pb2 import Duration
+
+from coordinator import metrics
+from coordinator.config import CoordinatorConfig
+from coordinator.ext_proc import RequestCounters
+from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
+from coordinator.instances import Health, InstanceTable
+from coordinator.picker import EndpointPicker
+from tandem.v1 import admin_pb2, admin_pb2_grpc, metaserver_pb2_grpc, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def publish_instance_counts(instances: InstanceTable) -> None:
+    """Refreshes the instances-by-health gauge."""
+    counts = {h: 0 for h in Health}
+    for state in instances.all():
+        counts[state.health] += 1
+    for health, count in counts.items():
+        metrics.INSTANCES.labels(health.name.lower()).set(count)
+
+
+class RegistryService(registry_pb2_grpc.RegistryServicer):
+    """Node agents register instances and report their health and load."""
+
+    def __init__(self, instances: InstanceTable, config: CoordinatorConfig) -> None:
+        self.instances = instances
+        self.config = config
+        self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
+
+    async def Register(self, request: registry_pb2.RegisterRequest, context) -> registry_pb2.RegisterResponse:
+        try:
+            info = instance_from_proto(request.instance)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.instances.register(info)
+        publish_instance_counts(self.instances)
+        log.info("registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address})
+        interval = Duration()
+        interval.FromMilliseconds(int(self.config.heartbeat_interval_s * 1000))
+        return registry_pb2.RegisterResponse(heartbeat_interval=interval)
+
+    async def Heartbeat(
+        self, request_iterator: AsyncIterator[registry_pb2.HeartbeatRequest], context
+    ) -> AsyncIterator[registry_pb2.HeartbeatResponse]:
+        self.open_streams += 1
+        try:
+            async for beat in request_iterator:
+                health = HEALTH_NAMES.get(beat.health, Health.UNHEALTHY)
+                known = self.instances.heartbeat(beat.instance_id, health, load_from_proto(beat.load))
+                yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=known)
+        finally:
+            self.open_streams -= 1
+            publish_instance_counts(self.instances)
+
+    async def Deregister(self, request: registry_pb2.DeregisterRequest, context) -> registry_pb2.DeregisterResponse:
+        state = self.instances.deregister(request.instance_id)
+        publish_instance_counts(self.instances)
+        log.info("deregistered", extra={"instance": request.instance_id, "reason": request.reason})
+        return registry_pb2.DeregisterResponse(found=state is not None)
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    """The operator's view: instances, drain, config, stats."""
+
+    def __init__(self, picker: EndpointPicker, counters: RequestCounters, config_yaml: str, config_path: str) -> None:
+        self.picker = picker
+        self.counters = counters
+        self.config_yaml = config_yaml
+        self.config_path = config_path
+
+    def _status(self, instance_id: str):
+        state = self.picker.instances.get(instance_id)
+        if state is None:
+            return None
+        ledger = self.picker.ledger
+        return status_to_proto(state, ledger.tokens(instance_id), ledger.requests(instance_id))
+
+    async def ListInstances(self, request, context) -> admin_pb2.ListInstancesResponse:
+        states = [s for s in self.picker.instances.all() if not request.model or s.info.model == request.model]
+        return admin_pb2.ListInstancesResponse(instances=[self._status(s.info.instance_id) for s in states])
+
+    async def _set_drained(self, instance_id: str, drained: bool, context):
+        state = self.picker.instances.get(instance_id)
+        if state is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {instance_id!r} is registered")
+        state.drained = drained
+        log.info("drained" if drained else "undrained", extra={"instance": instance_id})
+        return self._status(instance_id)
+
+    async def DrainInstance(self, request, context) -> admin_pb2.DrainInstanceResponse:
+        return admin_pb2.DrainInstanceResponse(instance=await self._set_drained(request.instance_id, True, context))
+
+    async def UndrainInstance(self, request, context) -> admin_pb2.UndrainInstanceResponse:
+        status = await self._set_drained(request.instance_id, False, context)
+        return admin_pb2.UndrainInstanceResponse(instance=status)
+
+    async def GetConfig(self, request, context) -> admin_pb2.GetConfigResponse:
+        return admin_pb2.GetConfigResponse(yaml=self.config_yaml, path=self.config_path)
+
+    async def GetStats(self, request, context) -> admin_pb2.GetStatsResponse:
+        ledger = self.picker.ledger
+        per_instance = [
+            admin_pb2.InstanceWorkload(
+                instance_id=s.info.instance_id,
+                workload_tokens=ledger.tokens(s.info.instance_id),
+                inflight_requests=ledger.requests(s.info.instance_id),
+            )
+            for s in self.picker.instances.all()
+        ]
+        return admin_pb2.GetStatsResponse(
+            requests_routed=self.counters.routed,
+            requests_rejected=self.counters.rejected,
+            requests_inflight=ledger.total_requests,
+            workload_tokens=ledger.total_tokens,
+            policy=self.picker.policy.name,
+            instances=per_instance,
+        )
+
+
+class MetaserverService(metaserver_pb2_grpc.MetaserverServicer):
+    """Decode-first trigger callbacks: implemented with `pd_mode: concurrent_engine_sync` (issue 6)."""
+
+    async def Trigger(self, request, context):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Metaserver.Trigger is not implemented yet: decode-first trigger mode (concurrent_engine_sync) "
+            "arrives with its own issue",
+        )
+
+
+def config_as_yaml(config) -> str:
+    """The effective config as YAML (pydantic model dump)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,146 @@
+"""The agent's link to the coordinator's Registry: register running engines, stream heartbeats, deregister.
+
+A reconcile loop makes the coordinator's view follow the supervisors: every interval it registers RUNNING
+engines the coordinator does not know (first start, restart, coordinator restart) and sends one heartbeat per
+registered engine on a long-lived stream. A coordinator that is down is retried every interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from node_agent.supervisor import EngineState, EngineSupervisor
+from tandem.netaddr import join_host_port
+from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_ROLES = {"hybrid": common_pb2.ROLE_HYBRID, "prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+
+
+def instance_message(sup: EngineSupervisor, node_id: str) -> common_pb2.Instance:
+    """The `Instance` an engine registers as."""
+    engine = sup.engine
+    return common_pb2.Instance(
+        instance_id=engine.instance_id,
+        model=engine.model,
+        address=join_host_port(engine.host, engine.port),
+        role=_ROLES[engine.role],
+        dispatch_capability=common_pb2.DISPATCH_CAPABILITY_AGGREGATED,
+        node_id=node_id,
+        backend=engine.backend,
+        block_size=engine.block_size,
+        data_parallel_size=1,
+    )
+
+
+def heartbeat_message(sup: EngineSupervisor) -> registry_pb2.HeartbeatRequest:
+    """One report on an engine."""
+    sampled = Timestamp()
+    if sup.load.sampled_at:
+        sampled.FromNanoseconds(int(sup.load.sampled_at * 1e9))
+    return registry_pb2.HeartbeatRequest(
+        instance_id=sup.engine.instance_id,
+        health=common_pb2.HEALTH_HEALTHY if sup.healthy else common_pb2.HEALTH_UNHEALTHY,
+        load=common_pb2.InstanceLoad(
+            running_requests=sup.load.running,
+            waiting_requests=sup.load.waiting,
+            kv_cache_usage=sup.load.kv_cache_usage,
+            sampled_at=sampled if sup.load.sampled_at else None,
+        ),
+    )
+
+
+class CoordinatorLink:
+    """Keeps the coordinator's Registry in step with this node's engines."""
+
+    def __init__(self, address: str, node_id: str, supervisors: Callable[[], list[EngineSupervisor]]) -> None:
+        self.address = address
+        self.node_id = node_id
+        self.supervisors = supervisors
+        self.interval_s = 2.0
+        self.registered: set[str] = set()
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self._wake = asyncio.Event()
+
+    async def changed(self, sup: EngineSupervisor) -> None:
+        """Called on every supervisor transition: registers or deregisters at once."""
+        iid = sup.engine.instance_id
+        if sup.state is EngineState.RUNNING and sup.healthy and iid not in self.registered:
+            await self._register(sup)
+        elif sup.state is not EngineState.RUNNING and iid in self.registered:
+            await self.deregister(iid, sup.detail or sup.state.name.lower())
+
+    async def _register(self, sup: EngineSupervisor) -> None:
+        try:
+            reply = await self._stub.Register(
+                registry_pb2.RegisterRequest(instance=instance_message(sup, self.node_id)), timeout=5
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("register failed, will retry", extra={"instance": sup.engine.instance_id, "error": exc.details()})
+            return
+        self.registered.add(sup.engine.instance_id)
+        if reply.HasField("heartbeat_interval"):
+            self.interval_s = max(0.1, reply.heartbeat_interval.ToMilliseconds() / 1000)
+        log.info("registered with coordinator", extra={"instance": sup.engine.instance_id})
+        self._wake.set()
+
+    async def deregister(self, instance_id: str, reason: str) -> None:
+        """Tells the coordinator an engine is gone (best effort)."""
+        self.registered.discard(instance_id)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.Deregister(registry_pb2.DeregisterRequest(instance_id=instance_id, reason=reason), timeout=5)
+
+    async def run(self) -> None:
+        """Reconcile and heartbeat until cancelled."""
+        while True:
+            try:
+                await self._stream()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("heartbeat stream lost", extra={"error": exc.code().name})
+            # The coordinator may have restarted without our instances: register everything again.
+            self.registered.clear()
+            await asyncio.sleep(self.interval_s)
+
+    async def _stream(self) -> None:
+        outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] = asyncio.Queue(maxsize=1024)
+
+        async def requests():
+            while True:
+                yield await outbox.get()
+
+        call = self._stub.Heartbeat(requests())
+
+        async def read() -> None:
+            async for reply in call:
+                if not reply.known:
+                    self.registered.discard(reply.instance_id)
+                    self._wake.set()
+
+        reader = asyncio.create_task(read())
+        try:
+            while not reader.done():
+                for sup in self.supervisors():
+                    iid = sup.engine.instance_id
+                    if sup.state is EngineState.RUNNING and sup.healthy and iid not in self.registered:
+                        await self._register(sup)
+                    if iid in self.registered and not outbox.full():
+                        outbox.put_nowait(heartbeat_message(sup))
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            reader.result()
+        finally:
+            reader.cancel()
+            call.cancel()
+
+    async def close(self) -> None:
+        """Closes the channel."""
+        await self._channel.close()

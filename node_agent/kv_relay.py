@@ -1,0 +1,353 @@
+"""KV event relay: the node agent's side of `Conductor.Ingest`.
+
+Per engine DP rank, a SUB socket connects to the engine's KV event publisher (the engine binds); each message
+`[topic, seq, payload]` is decoded (`tandem.kv_events`, both vLLM encodings) into a `KvEventBatch` and queued for
+the conductor. One `Ingest` stream carries every rank of the node:
+
+- the conductor answers with `ReplayRequest`s when it sees a gap; the relay reads the engine's replay socket
+  (DEALER: send `["", seq]`, replies `["", seq, payload]` or `["", topic, seq, payload]`, end marker seq -1),
+  forwards the batches marked `replayed`, then `ReplayDone{recovered}`;
+- when the stream breaks (conductor restart), the relay reconnects with exponential backoff and, on every new
+  stream, replays each rank from sequence 0 (the engine sends what it still buffers), so a restarted conductor
+  rebuilds its index without restarting engines;
+- while a rank replays, its live batches are held (bounded) and released after the replay, so the conductor sees
+  the rank's batches in order.
+
+Queues are bounded; overflow is dropped and counted (the conductor sees the gap and asks for a replay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import zmq
+import zmq.asyncio
+
+from conductor.convert import batch_to_pb
+from tandem.kv_events import KvEventDecodeError, decode_batch, encode_seq, split_message, split_replay_reply
+from tandem.v1 import conductor_pb2, conductor_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+END = -1  # sequence of the replay end marker
+
+
+async def replay_batches(
+    ctx: zmq.asyncio.Context, endpoint: str, from_seq: int, timeout_s: float
+) -> AsyncIterator[tuple[int, bytes]]:
+    """`(seq, payload)` of an engine's replay socket from `from_seq` on, until its end marker.
+
+    Raises TimeoutError when the engine stays silent for `timeout_s`.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        await sock.send_multipart([b"", encode_seq(from_seq)])
+        while True:
+            if not await sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"replay socket {endpoint} silent for {timeout_s}s")
+            seq, payload = split_replay_reply(await sock.recv_multipart())
+            if seq == END:
+                return
+            yield seq, payload
+    finally:
+        sock.close(0)
+
+
+@dataclass(eq=False)
+class _Source:
+    """One engine DP rank the relay reads."""
+
+    instance_id: str
+    model: str
+    block_size: int
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    held: deque = field(default_factory=deque)  # live batches held while replaying: (seq, KvEventBatch)
+    holding: bool = False  # a replay runs: live batches go to `held`
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one replay at a time
+    task: asyncio.Task | None = None  # the SUB reader
+
+
+class KvEventRelay:
+    """Relays the KV events of this node's engines to the conductor over one `Ingest` stream."""
+
+    def __init__(
+        self,
+        conductor_address: str,
+        node_id: str,
+        *,
+        queue_size: int = 10_000,
+        replay_timeout_s: float = 5.0,
+        backoff_initial_s: float = 0.2,
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        self.conductor_address = conductor_address
+        self.node_id = node_id
+        self.queue_size = queue_size
+        self.replay_timeout_s = replay_timeout_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.ctx = zmq.asyncio.Context()
+        self.sources: dict[tuple[str, int], _Source] = {}
+        self._out: asyncio.Queue[conductor_pb2.IngestRequest] = asyncio.Queue(maxsize=queue_size)
+        self._running = False
+        self._closed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._replaying: set[asyncio.Task] = set()  # replays of the current stream
+        self.connected = asyncio.Event()  # set while an Ingest stream is up
+        self.connects = 0  # streams opened since start
+        # counters (exported by the node agent)
+        self.batches_sent = 0
+        self.dropped = 0  # batches or messages dropped on a full queue
+        self.decode_errors = 0
+        self.replays = 0
+
+    # -- sources --------------------------------------------------------------------------------------------------
+
+    def add_source(
+        self,
+        instance_id: str,
+        model: str,
+        block_size: int,
+        dp_rank: int,
+        endpoint: str,
+        replay_endpoint: str | None,
+    ) -> None:
+        """Starts relaying one engine DP rank (`endpoint` is its PUB socket, already +dp_rank)."""
+        key = (instance_id, dp_rank)
+        old = self.sources.pop(key, None)
+        if old is not None and old.task is not None:
+            old.task.cancel()
+        src = _Source(instance_id, model, block_size, dp_rank, endpoint, replay_endpoint)
+        self.sources[key] = src
+        if self._running:
+            src.task = self._spawn(self._read_live(src))
+
+    def remove_source(self, instance_id: str) -> None:
+        """Stops relaying every rank of an instance and tells the conductor (`InstanceGone`)."""
+        for key in [k for k in self.sources if k[0] == instance_id]:
+            src = self.sources.pop(key)
+            if src.task is not None:
+                src.task.cancel()
+        self._send(
+            conductor_pb2.IngestRequest(instance_gone=conductor_pb2.InstanceGone(instance_id=instance_id))
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Reads the engines and keeps the `Ingest` stream up until `close()`."""
+        self._running = True
+        for src in self.sources.values():
+            if src.task is None:
+                src.task = self._spawn(self._read_live(src))
+        delay = self.backoff_initial_s
+        while not self._closed.is_set():
+            try:
+                await self._stream_once()
+                delay = self.backoff_initial_s
+            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                log.warning(
+                    "conductor stream broke", extra={"conductor": self.conductor_address, "err": str(exc)}
+                )
+            finally:
+                self.connected.clear()
+            if self._closed.is_set():
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), delay * (0.5 + random.random()))
+            delay = min(delay * 2, self.backoff_max_s)
+
+    async def close(self) -> None:
+        """Stops the stream, the readers and the sockets."""
+        self._closed.set()
+        self._running = False
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for src in self.sources.values():
+            src.task = None
+        self.ctx.destroy(linger=0)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    # -- the stream -----------------------------------------------------------------------------------------------
+
+    async def _stream_once(self) -> None:
+        async with grpc.aio.insecure_channel(self.conductor_address) as channel:
+            stub = conductor_pb2_grpc.ConductorStub(channel)
+            call = stub.Ingest(self._requests())
+            closed = asyncio.ensure_future(self._closed.wait())
+            try:
+                connected = asyncio.ensure_future(call.wait_for_connection())
+                await asyncio.wait({connected, closed}, return_when=asyncio.FIRST_COMPLETED)
+                if closed.done():
+                    connected.cancel()
+                    return
+                connected.result()
+                self.connects += 1
+                self.connected.set()
+                log.info(
+                    "conductor stream up", extra={"conductor": self.conductor_address, "node": self.node_id}
+                )
+                self._rebuild()
+                reader = asyncio.ensure_future(self._read_replies(call))
+                await asyncio.wait({reader, closed}, return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    reader.result()
+                else:
+                    reader.cancel()
+            finally:
+                closed.cancel()
+                call.cancel()
+                for t in list(self._replaying):  # replays of a dead stream restart on the next one
+                    t.cancel()
+                await asyncio.gather(*self._replaying, return_exceptions=True)
+
+    def _rebuild(self) -> None:
+        """On a new stream: replay every rank from 0 so a restarted conductor rebuilds its index.
+
+        Queued live batches of those ranks are dropped first: the replay carries them, in order.
+        """
+        replayable = {k for k, s in self.sources.items() if s.replay_endpoint}
+        kept = []
+        while not self._out.empty():
+            msg = self._out.get_nowait()
+            if (
+                msg.WhichOneof("message") == "batch"
+                and (msg.batch.instance_id, msg.batch.dp_rank) in replayable
+            ):
+                continue
+            kept.append(msg)
+        for msg in kept:
+            self._out.put_nowait(msg)
+        for key in replayable:
+            src = self.sources[key]
+            src.holding = True  # from now on: live batches wait for the replay
+            self._spawn_replay(src, 0, announce=False)
+
+    def _spawn_replay(self, src: _Source, from_seq: int, announce: bool) -> None:
+        t = self._spawn(self._replay(src, from_seq, announce))
+        self._replaying.add(t)
+        t.add_done_callback(self._replaying.discard)
+
+    async def _requests(self):
+        while True:
+            yield await self._out.get()
+
+    async def _read_replies(self, call) -> None:
+        async for resp in call:
+            if resp.WhichOneof("message") == "replay":
+                r = resp.replay
+                src = self.sources.get((r.instance_id, r.dp_rank))
+                if src is None:
+                    self._send(_replay_done(r.instance_id, r.dp_rank, False))
+                else:
+                    self._spawn_replay(src, r.from_sequence, announce=True)
+
+    def _send(self, msg: conductor_pb2.IngestRequest) -> bool:
+        try:
+            self._out.put_nowait(msg)
+            return True
+        except asyncio.QueueFull:
+            self.dropped += 1
+            return False
+
+    # -- engines --------------------------------------------------------------------------------------------------
+
+    def _to_request(
+        self, src: _Source, seq: int, payload: bytes, replayed: bool
+    ) -> conductor_pb2.IngestRequest | None:
+        try:
+            batch = decode_batch(payload)
+        except KvEventDecodeError as exc:
+            self.decode_errors += 1
+            log.warning("undecodable KV event batch", extra={"instance_id": src.instance_id, "err": str(exc)})
+            return None
+        pb = batch_to_pb(batch, src.instance_id, src.dp_rank, seq, src.model, src.block_size, replayed)
+        return conductor_pb2.IngestRequest(batch=pb)
+
+    async def _read_live(self, src: _Source) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(src.endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    _, seq, payload = split_message(frames)
+                except KvEventDecodeError:
+                    self.decode_errors += 1
+                    continue
+                req = self._to_request(src, seq, payload, replayed=False)
+                if req is None:
+                    continue
+                if src.holding:
+                    if len(src.held) >= self.queue_size:
+                        self.dropped += 1
+                    else:
+                        src.held.append((seq, req))
+                elif self._send(req):
+                    self.batches_sent += 1
+        finally:
+            sub.close(0)
+
+    async def _replay(self, src: _Source, from_seq: int, announce: bool) -> None:
+        """Replays one rank from `from_seq`; `announce` ends it with `ReplayDone` (the conductor asked)."""
+        async with src.lock:
+            self.replays += 1
+            src.holding = True
+            first: int | None = None
+            last = -1
+            try:
+                if src.replay_endpoint:
+                    async for seq, payload in replay_batches(
+                        self.ctx, src.replay_endpoint, from_seq, self.replay_timeout_s
+                    ):
+                        first = seq if first is None else first
+                        req = self._to_request(src, seq, payload, replayed=True)
+                        if req is not None:
+                            await self._out.put(req)  # back-pressure: live batches are held meanwhile
+                            last = seq
+            except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
+                log.warning("replay failed", extra={"instance_id": src.instance_id, "err": str(exc)})
+                first = None
+            finally:
+                held, src.held = src.held, deque()
+                src.holding = False
+            if announce:
+                await self._out.put(_replay_done(src.instance_id, src.dp_rank, first == from_seq))
+            for seq, req in held:
+                if seq > last and self._send(req):
+                    self.batches_sent += 1
+            log.info(
+                "replayed",
+                extra={
+                    "instance_id": src.instance_id,
+                    "dp_rank": src.dp_rank,
+                    "from": from_seq,
+                    "last": last,
+                },
+            )
+
+
+def _replay_done(instance_id: str, dp_rank: int, recovered: bool) -> conductor_pb2.IngestRequest:
+    return conductor_pb2.IngestRequest(
+        replay_done=conductor_pb2.ReplayDone(instance_id=instance_id, dp_rank=dp_rank, recovered=recovered)
+    )

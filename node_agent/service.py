@@ -1,0 +1,74 @@
+"""The NodeAgent gRPC service: status, launch and stop of this node's engines."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from node_agent.coordinator_link import instance_message
+from node_agent.supervisor import EngineState, EngineSupervisor
+from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc
+
+_STATES = {
+    EngineState.STARTING: node_agent_pb2.ENGINE_STATE_STARTING,
+    EngineState.RUNNING: node_agent_pb2.ENGINE_STATE_RUNNING,
+    EngineState.BACKOFF: node_agent_pb2.ENGINE_STATE_BACKOFF,
+    EngineState.STOPPED: node_agent_pb2.ENGINE_STATE_STOPPED,
+    EngineState.FAILED: node_agent_pb2.ENGINE_STATE_FAILED,
+}
+
+
+def engine_status(sup: EngineSupervisor, node_id: str) -> node_agent_pb2.EngineStatus:
+    """What the agent reports about one engine."""
+    running = sup.process is not None and sup.process.returncode is None
+    started = Timestamp()
+    status = node_agent_pb2.EngineStatus(
+        instance=instance_message(sup, node_id),
+        state=_STATES[sup.state],
+        pid=sup.process.pid if running else 0,
+        restarts=sup.restarts,
+        argv=sup.spec.argv,
+        detail=sup.detail,
+    )
+    if sup.last_exit_code is not None:
+        status.last_exit_code = sup.last_exit_code
+    if running and sup.started_wall:
+        started.FromNanoseconds(int(sup.started_wall * 1e9))
+        status.started_at.CopyFrom(started)
+    return status
+
+
+class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
+    """Operator access to this node's engines."""
+
+    def __init__(self, node_id: str, supervisors: dict[str, EngineSupervisor]) -> None:
+        self.node_id = node_id
+        self.supervisors = supervisors
+
+    async def _find(self, instance_id: str, context) -> EngineSupervisor:
+        sup = self.supervisors.get(instance_id)
+        if sup is None:
+            known = ", ".join(self.supervisors) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no engine {instance_id!r} on this node (known: {known})")
+        return sup
+
+    async def GetStatus(self, request, context) -> node_agent_pb2.GetStatusResponse:
+        engines = [engine_status(s, self.node_id) for s in self.supervisors.values()]
+        return node_agent_pb2.GetStatusResponse(node_id=self.node_id, engines=engines)
+
+    async def Launch(self, request, context) -> node_agent_pb2.LaunchResponse:
+        sup = await self._find(request.instance_id, context)
+        sup.start()
+        return node_agent_pb2.LaunchResponse(engine=engine_status(sup, self.node_id))
+
+    async def Stop(self, request, context) -> node_agent_pb2.StopResponse:
+        sup = await self._find(request.instance_id, context)
+        await sup.stop()
+        return node_agent_pb2.StopResponse(engine=engine_status(sup, self.node_id))
+
+    async def Drain(self, request, context) -> node_agent_pb2.DrainResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "NodeAgent.Drain is not implemented yet (engine supervision issue); use Admin/DrainInstance on the "
+            "coordinator to stop routing to an instance, then NodeAgent/Stop",
+        )

@@ -1,0 +1,218 @@
+"""HTTP server of the simulated engine (aiohttp): vLLM's OpenAI routes plus health, metrics, tokenize, render."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import msgspec
+from aiohttp import web
+from prometheus_client import disable_created_metrics
+
+from simengine.config import EngineConfig
+from simengine.engine import Engine
+from simengine.kv_publisher import ZmqEventPublisher
+from simengine.metrics import EngineMetrics
+from simengine.openai_serving import OpenAIServing
+from simengine.pd import KVConnector
+from simengine.protocol import APIError, json_response
+from simengine.sampler import Sampler
+from tandem.tokenizer import load_tokenizer, prompt_token_ids
+
+log = logging.getLogger("simengine")
+VERSION = "0.11.0+simengine"
+
+
+class EngineServer:
+    """Wires tokenizer, engine, publisher, connector and routes; `run()` serves until SIGTERM/SIGINT."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        disable_created_metrics()
+        self.metrics = EngineMetrics(cfg.served_model_names[0], str(cfg.dp_rank))
+        self.publisher = None
+        if cfg.kv_events.enabled:
+            self.publisher = ZmqEventPublisher(
+                cfg.kv_events, cfg.dp_rank, cfg.kv_events_legacy_format, cfg.fault_event_gap_every
+            )
+        sampler = Sampler(self.tokenizer.word_ids, self.tokenizer.eos_token_id)
+        self.engine = Engine(cfg, sampler, self.metrics, self.publisher)
+        self.connector = KVConnector(cfg, self.engine) if cfg.kv_transfer.mode else None
+        self.serving = OpenAIServing(
+            self.engine, self.tokenizer, cfg.served_model_names, cfg.max_model_len, self.connector
+        )
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_post("/v1/completions/render", self.render_completions)
+        r.add_post("/v1/chat/completions/render", self.render_chat)
+        r.add_get("/health", self.health)
+        r.add_get("/ping", self.health)
+        r.add_post("/ping", self.health)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/version", self.version)
+        r.add_get("/load", self.load)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        r.add_get("/metrics", self.metrics_endpoint)
+        return app
+
+    # -- handlers ---------------------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.serving.handle(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.serving.handle(request, "chat.completions")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": VERSION})
+
+    async def load(self, request: web.Request) -> web.Response:
+        s = self.engine.scheduler
+        return json_response({"server_load": len(s.running) + len(s.waiting) + len(s.remote_waiting)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "vllm",
+                "root": self.cfg.model,
+                "parent": None,
+                "max_model_len": self.cfg.max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{name}",
+                        "object": "model_permission",
+                        "created": self.created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+            for name in self.cfg.served_model_names
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self.engine._update_gauges()
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as e:
+            raise APIError(f"JSON decode error: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError("request body must be a JSON object")
+        self.serving.check_model(body)
+        return body
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            api = "chat.completions" if "messages" in body else "completions"
+            if api == "completions" and not isinstance(body.get("prompt"), str):
+                raise APIError("'prompt' must be a string")
+            ids = prompt_token_ids(self.tokenizer, api, body)[0]
+        except ValueError as e:
+            return APIError(str(e)).response()
+        except APIError as e:
+            return e.response()
+        strs = [self.tokenizer.id_to_piece(t) for t in ids] if body.get("return_token_strs") else None
+        return json_response(
+            {"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids, "token_strs": strs}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise APIError("'tokens' must be an array of integers")
+            text = self.tokenizer.decode(tokens)
+        except ValueError as e:
+            return APIError(str(e)).response()
+        except APIError as e:
+            return e.response()
+        return json_response({"prompt": text})
+
+    async def render_completions(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            prompts = prompt_token_ids(self.tokenizer, "completions", body)
+        except ValueError as e:
+            return APIError(str(e)).response()
+        except APIError as e:
+            return e.response()
+        raw = body["prompt"]
+        texts = [raw] if isinstance(raw, str) else raw if all(isinstance(p, str) for p in raw) else None
+        out = [
+            {"prompt_token_ids": ids, "prompt": texts[i] if texts else self.tokenizer.decode(ids)}
+            for i, ids in enumerate(prompts)
+        ]
+        return json_response(out)
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            ids = prompt_token_ids(self.tokenizer, "chat.completions", body)[0]
+        except ValueError as e:
+            return APIError(str(e)).response()
+        except APIError as e:
+            return e.response()
+        conversation = [{"role": m.get("role"), "content": m.get("content")} for m in body["messages"]]
+        return json_response(
+            [conversation, [{"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)}]]
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.port, reuse_address=True, backlog=1024)
+        await site.start()
+        self.engine.start()
+        if self.connector is not None:
+            await self.connector.start()
+        extra = ""
+        if self.connector is not None:
+            extra += f" kv_connector={self.cfg.kv_transfer.kv_connector} kv_port={self.connector.port}"
+        if self.publisher is not None:
+            extra += f" kv_events={self.publisher.endpoint}"
+        log.info(
+            "simengine ready on http://%s:%d model=%s profile=%s speedup=%g%s",
+            self.cfg.host, self.cfg.port, self.cfg.served_model_names[0], self.cfg.profile, self.cfg.speedup, extra,
+        )  # fmt: skip
+        await stop.wait()
+        log.info("simengine stopping")
+        await site.stop()
+        if self.connector is not None:
+            await self.connector.stop()
+        await self.engine.stop()
+        await runner.cleanup()

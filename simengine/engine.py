@@ -1,0 +1,218 @@
+"""The engine loop: schedule a step, let the timing model's duration pass (divided by the speedup), apply it,
+hand new tokens to the serving layer, publish KV events. Runs as one asyncio task.
+
+When the loop falls behind wall-clock time (CPU-bound at high speedup) it runs several steps before yielding,
+so each streaming response gets several tokens per wake-up: writes are batched, not dropped or slowed per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from simengine.config import EngineConfig
+from simengine.events import EventSink
+from simengine.kv_cache_manager import KVCacheManager
+from simengine.metrics import EngineMetrics
+from simengine.profiles import PROFILES
+from simengine.request import Request, Status
+from simengine.sampler import Sampler
+from simengine.scheduler import Scheduler
+
+log = logging.getLogger("simengine.engine")
+
+#: Longest stretch of steps without yielding to the event loop, seconds of wall time.
+_MAX_BUSY_S = 0.002
+#: How far the simulated clock may lag wall time before it is reset (no catch-up bursts after a stall).
+_MAX_LAG_S = 0.05
+
+
+class Engine:
+    """Owns the scheduler, KV cache manager and timing; the serving layer adds and aborts requests."""
+
+    def __init__(self, cfg: EngineConfig, sampler: Sampler, metrics: EngineMetrics, publisher=None) -> None:
+        self.cfg = cfg
+        self.profile = PROFILES[cfg.profile]
+        self.speedup = cfg.speedup
+        self.metrics = metrics
+        self.publisher = publisher
+        self.sink = EventSink(enabled=publisher is not None)
+        self.kv = KVCacheManager(
+            num_npu_blocks=cfg.npu_blocks,
+            block_size=cfg.block_size,
+            sink=self.sink,
+            enable_caching=cfg.enable_prefix_caching,
+            num_cpu_blocks=cfg.cpu_blocks,
+            num_disk_blocks=cfg.disk_blocks,
+            offload=cfg.offload,
+            hash_seed=cfg.hash_seed,
+        )
+        self.scheduler = Scheduler(self.kv, sampler, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        #: Called with the requests whose remote KV transfer must start (set by the P/D connector).
+        self.on_remote_kv: Callable[[list[Request]], None] | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._queries = 0
+        self._hits = 0
+        self.steps = 0
+
+    # -- serving-layer API ------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self.metrics.num_requests_waiting.set(len(self.scheduler.waiting))
+        self._wake.set()
+
+    def abort(self, request: Request) -> None:
+        if not request.is_finished:
+            self.scheduler.abort(request)
+            self.metrics.success["abort"].inc()
+            self._wake.set()
+
+    def fail(self, request: Request, message: str) -> None:
+        """Ends a request with an error (P/D timeouts); its output callback sees it finished."""
+        if request.is_finished:
+            return
+        self.scheduler.abort(request, Status.FINISHED_ERROR)
+        request.finish_reason = "error"
+        request.stop_reason = message
+        self.metrics.success["error"].inc()
+        if request.on_output is not None:
+            request.on_output(request, [], True)
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        if self.publisher is not None:
+            self.kv.reset()  # AllBlocksCleared at start, as a reset marker for indexers
+            self._publish()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self.publisher is not None:
+            self.publisher.shutdown()
+
+    # -- loop -------------------------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        if self.sink.events:
+            self.publisher.publish(self.sink.drain())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sched = self.scheduler
+        profile = self.profile
+        m = self.metrics
+        vclock = loop.time()
+        busy_since = vclock
+        while True:
+            if not sched.has_work:
+                self._update_gauges()
+                if self.publisher is not None:
+                    self._publish()
+                self._wake.clear()
+                if sched.remote_waiting:
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+                    except TimeoutError:
+                        pass
+                else:
+                    await self._wake.wait()
+                vclock = busy_since = loop.time()
+                continue
+            out = sched.schedule()
+            if sched.new_remote:
+                started, sched.new_remote = sched.new_remote, []
+                if self.on_remote_kv is not None:
+                    self.on_remote_kv(started)
+            if out.preempted:
+                m.num_preemptions.inc(len(out.preempted))
+            if out.is_empty:
+                self._update_gauges()
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.01)
+                except TimeoutError:
+                    pass
+                vclock = busy_since = loop.time()
+                continue
+            dt = profile.step_s(
+                out.prefill_chunks,
+                out.num_decode,
+                out.decode_context,
+                out.load_tokens_cpu,
+                out.load_tokens_disk,
+            )
+            vclock += dt / self.speedup
+            now = loop.time()
+            if vclock > now:
+                await asyncio.sleep(vclock - now)
+                busy_since = loop.time()
+            else:
+                if now - vclock > _MAX_LAG_S:
+                    vclock = now
+                if now - busy_since > _MAX_BUSY_S:
+                    await asyncio.sleep(0)
+                    busy_since = loop.time()
+            produced = sched.update(out)
+            self.steps += 1
+            self._deliver(produced)
+            if self.publisher is not None and self.sink.events:
+                self._publish()
+            if self.steps % 8 == 0:
+                self._update_gauges()
+
+    def _deliver(self, produced: list[Request]) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if produced:
+            m.generation_tokens.inc(len(produced))
+        for req in produced:
+            if req.first_token_time == 0.0:
+                req.first_token_time = now
+                m.ttft.observe(now - req.arrival_time)
+            else:
+                m.itl.observe(now - req.last_token_time)
+            req.last_token_time = now
+            finished = req.is_finished
+            if finished:
+                self._finish_metrics(req, now)
+            cb = req.on_output
+            if cb is not None:
+                cb(req, req.output_token_ids[-1:], finished)
+
+    def _finish_metrics(self, req: Request, now: float) -> None:
+        m = self.metrics
+        m.success[req.finish_reason or "stop"].inc()
+        m.e2e.observe(now - req.arrival_time)
+        n = len(req.output_token_ids)
+        if n > 1:
+            m.tpot.observe((now - req.first_token_time) / (n - 1))
+        m.prompt_tokens.inc(req.num_prompt_tokens)
+        cached = max(req.num_cached_tokens, 0)
+        m.prompt_tokens_cached.inc(cached + req.num_external_tokens)
+        m.prompt_local_cache_hit.inc(cached)
+        m.prompt_external_kv_transfer.inc(req.num_external_tokens)
+        m.prompt_local_compute.inc(max(req.num_prompt_tokens - cached - req.num_external_tokens, 0))
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        sched = self.scheduler
+        m.num_requests_running.set(len(sched.running))
+        m.num_requests_waiting.set(len(sched.waiting) + len(sched.remote_waiting))
+        m.kv_cache_usage_perc.set(self.kv.usage())
+        kv = self.kv
+        if kv.queries != self._queries:
+            m.prefix_cache_queries.inc(kv.queries - self._queries)
+            m.prefix_cache_hits.inc(kv.hits - self._hits)
+            self._queries, self._hits = kv.queries, kv.hits

@@ -1,0 +1,117 @@
+"""The engine's view of one sequence (one choice of one OpenAI request): tokens, progress, blocks, P/D state."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+#: A block's chain hash as published on the wire (vLLM's int form: an unsigned 64-bit integer).
+BlockHash = NewType("BlockHash", int)
+
+
+class Status(enum.Enum):
+    """Where a request is in its life (vLLM's RequestStatus, trimmed)."""
+
+    WAITING = "waiting"
+    #: Blocks allocated; waiting for a remote engine to deliver the prompt's KV (P/D decode side).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What decides the output tokens; only `seed_key` and the limits matter to the simulated sampler."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    #: Stop strings; the answer is cut before the first one found.
+    stop: tuple[str, ...] = ()
+    #: Hash of (temperature, top_p, top_k, seed, choice index): with the prompt it fixes the output tokens.
+    seed_key: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence in the engine. Identity-compared: two requests are never equal."""
+
+    #: Engine-internal id: the external id plus "-" and 8 hex digits, as vLLM does.
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    #: Tokens whose KV is in this engine's cache (computed, loaded from a tier, or transferred).
+    num_computed_tokens: int = 0
+    #: Prompt tokens found in the prefix cache at first scheduling (NPU + lower tiers).
+    num_cached_tokens: int = -1
+    #: Block ids held on the NPU, in order.
+    block_ids: list[int] = field(default_factory=list)
+    #: Chain hashes of the full blocks of prompt + output so far.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    #: Leading blocks of `block_ids` already cached under their hashes.
+    num_cached_blocks: int = 0
+    #: Bytes to load from CPU / disk in the step that schedules this request (set by the KV cache manager).
+    load_tokens_cpu: int = 0
+    load_tokens_disk: int = 0
+    #: Set by P/D connectors.
+    kv_transfer_params: dict[str, Any] | None = None
+    #: Decode side: KV expected from a remote engine; `remote_kv_done` set when it arrived (or failed).
+    needs_remote_kv: bool = False
+    remote_kv_done: bool = False
+    remote_kv_ok: bool = False
+    #: Prefill side (handoff): keep blocks after finishing until the decode engine pulled them.
+    hold_blocks_for_remote: bool = False
+    num_external_tokens: int = 0
+    #: Trigger mode: the request id the metaserver callback names (internal id minus its 9-char suffix).
+    pd_callback_id: str = ""
+    num_preemptions: int = 0
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    #: Called by the engine with (request, new token ids, finished) after every step that produced output.
+    on_output: Callable[[Request, list[int], bool], None] | None = None
+    #: Free for the serving layer.
+    user: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in _FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def anon_repr(self) -> str:
+        """For logs: no prompt text or tokens."""
+        return f"Request({self.request_id}, prompt_len={self.num_prompt_tokens}, status={self.status.value})"
+
+
+_FINISHED = {
+    Status.FINISHED_STOPPED,
+    Status.FINISHED_LENGTH,
+    Status.FINISHED_ABORTED,
+    Status.FINISHED_ERROR,
+}

@@ -1,0 +1,228 @@
+"""Continuous-batching scheduler (vLLM v1's shape, trimmed): running requests first (decode or the rest of a
+chunked prefill), then waiting ones while the token budget, `max_num_seqs` and the KV cache allow; when the
+cache cannot grow a running request, the most recently admitted running request is preempted (its blocks freed,
+recomputed later). Pure: the engine loop supplies time and I/O."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from simengine.kv_cache_manager import KVCacheManager
+from simengine.request import Request, Status
+from simengine.sampler import Sampler
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work."""
+
+    #: (request, tokens to compute this step) in batch order.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    #: (new tokens, cached context) per prefill chunk, for the timing model.
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)
+    num_decode: int = 0
+    decode_context: int = 0
+    load_tokens_cpu: int = 0
+    load_tokens_disk: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Prompt tokens by source this step, as vLLM's `prompt_tokens_by_source` counts them."""
+
+    local_compute: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+
+
+class Scheduler:
+    """Owns the waiting and running queues."""
+
+    def __init__(self, kv: KVCacheManager, sampler: Sampler, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.sampler = sampler
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        #: Blocks allocated, KV coming from a remote engine (P/D decode side).
+        self.remote_waiting: list[Request] = []
+        #: Requests that entered `remote_waiting` since the engine last looked (it starts their transfer).
+        self.new_remote: list[Request] = []
+        #: Finished requests whose blocks stay allocated until a remote engine took their KV (P/D prefill side).
+        self.held: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.stats = StepStats()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or any(r.remote_kv_done for r in self.remote_waiting))
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request: Request, status: Status = Status.FINISHED_ABORTED) -> None:
+        """Removes a request wherever it is and frees its blocks (idempotent)."""
+        if request.is_finished and request.request_id not in self.held:
+            return
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.remote_waiting:
+            self.remote_waiting.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.held.pop(request.request_id, None)
+        self.kv.free(request)
+
+    def release_held(self, request_id: str) -> Request | None:
+        """Frees the blocks of a finished request kept for a remote engine."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+        return request
+
+    # -- scheduling -------------------------------------------------------------------------------------------
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = Status.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def _admit_remote_done(self) -> None:
+        for req in list(self.remote_waiting):
+            if not req.remote_kv_done or len(self.running) >= self.max_num_seqs:
+                continue
+            self.remote_waiting.remove(req)
+            if req.remote_kv_ok:
+                # The whole prompt's KV is here; the last prompt token is recomputed to sample the first token.
+                req.num_external_tokens = max(req.num_prompt_tokens - 1 - req.num_computed_tokens, 0)
+                self.stats.external_kv_transfer += req.num_external_tokens
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                req.status = Status.RUNNING
+                self.running.append(req)
+            else:  # fall back to computing the prompt here
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.needs_remote_kv = False
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.remote_waiting:
+            self._admit_remote_done()
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not kv.allocate_slots(req, n):
+                victim = running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._add(out, req, n)
+                budget -= n
+                i += 1
+                continue
+            break
+        if out.preempted:
+            return out
+        waiting = self.waiting
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting[0]
+            computed = kv.get_computed_blocks(req)
+            hit = computed.num_blocks * kv.block_size
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit
+            if req.needs_remote_kv:
+                if not kv.allocate_slots(req, req.num_tokens - hit, computed):
+                    break
+                waiting.popleft()
+                self.stats.local_cache_hit += hit
+                req.status = Status.WAITING_FOR_REMOTE_KVS
+                self.remote_waiting.append(req)
+                self.new_remote.append(req)
+                continue
+            n = min(req.num_tokens - hit, budget)
+            if not kv.allocate_slots(req, n, computed):
+                break
+            waiting.popleft()
+            if req.num_preemptions == 0 or req.status != Status.PREEMPTED:
+                self.stats.local_cache_hit += hit
+            req.status = Status.RUNNING
+            running.append(req)
+            self._add(out, req, n)
+            budget -= n
+        return out
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.scheduled.append((req, n))
+        ctx = req.num_computed_tokens
+        if n == 1 and req.output_token_ids and ctx == req.num_tokens - 1:
+            out.num_decode += 1
+            out.decode_context += ctx
+        else:
+            out.prefill_chunks.append((n, ctx))
+            if ctx < req.num_prompt_tokens:
+                self.stats.local_compute += min(n, req.num_prompt_tokens - ctx)
+        if req.load_tokens_cpu or req.load_tokens_disk:
+            out.load_tokens_cpu += req.load_tokens_cpu
+            out.load_tokens_disk += req.load_tokens_disk
+
+    # -- results ----------------------------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput) -> list[Request]:
+        """Applies a finished step: advances computed tokens, caches full blocks, samples one token for each
+        request whose known tokens are all computed, finishes requests. Returns requests with new output."""
+        produced: list[Request] = []
+        finished = False
+        kv = self.kv
+        sampler = self.sampler
+        for req, n in out.scheduled:
+            if req.status is not Status.RUNNING:
+                continue  # aborted during the step
+            req.num_computed_tokens += n + req.load_tokens_cpu + req.load_tokens_disk
+            req.load_tokens_cpu = req.load_tokens_disk = 0
+            kv.cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            tok = sampler.next_token(req)
+            req.output_token_ids.append(tok)
+            p = req.params
+            if tok == sampler.eos and not p.ignore_eos and len(req.output_token_ids) > p.min_tokens:
+                req.status = Status.FINISHED_STOPPED
+                req.finish_reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens:
+                req.status = Status.FINISHED_LENGTH
+                req.finish_reason = "length"
+            if req.status is not Status.RUNNING:
+                finished = True
+                if req.hold_blocks_for_remote:
+                    self.held[req.request_id] = req
+                else:
+                    kv.free(req)
+            produced.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+        return produced

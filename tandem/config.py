@@ -1,0 +1,130 @@
+"""The mesh config file: one YAML document describing Envoy, coordinator, conductor, models and node agents.
+
+Every section belongs to the component that reads it (`coordinator.config`, `conductor.config`,
+`node_agent.config`); this module assembles them and turns any mistake into one `ConfigError` line naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from conductor.config import ConductorConfig
+from coordinator.config import CoordinatorConfig
+from node_agent.config import NodeAgentConfig
+from tandem.netaddr import split_host_port
+
+
+class ConfigError(Exception):
+    """A configuration mistake, as one line that names the file and the key."""
+
+
+class EnvoyConfig(BaseModel):
+    """Where Envoy listens. Loopback by default: a mesh binds no public address unless told to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    http_listen: str = "127.0.0.1:8000"
+    """OpenAI-compatible ingress (HTTP/1.1 and h2c)."""
+    grpc_listen: str = "127.0.0.1:9000"
+    """gRPC listener routing every `tandem.v1` service, health and reflection."""
+    admin_listen: str = "127.0.0.1:9901"
+    """Envoy's admin interface."""
+    base_id: int = 0
+    """Envoy `--base-id`; distinct per Envoy on one machine."""
+    ext_proc_timeout_ms: int = Field(default=5000, gt=0)
+    """How long Envoy waits for one coordinator reply before failing the request (never forwarded unrouted)."""
+    log_level: str = "warning"
+    """Envoy's `--log-level`."""
+
+    @field_validator("http_listen", "grpc_listen", "admin_listen")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        split_host_port(value)
+        return value
+
+
+class ModelConfig(BaseModel):
+    """A model the mesh serves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    """The name clients send as `model`."""
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer directory; the built-in deterministic tokenizer (simengine's) when unset."""
+
+
+class MeshConfig(BaseModel):
+    """The whole mesh file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    envoy: EnvoyConfig = EnvoyConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    conductor: ConductorConfig = ConductorConfig()
+    models: list[ModelConfig] = []
+    node_agents: list[NodeAgentConfig] = []
+    path: str = Field(default="", exclude=True)
+    """The file the config came from (set by `load_mesh_config`)."""
+
+    def tokenizer_for(self, model: str) -> str | None:
+        """The tokenizer directory of `model`, None for the built-in tokenizer."""
+        return next((m.tokenizer for m in self.models if m.name == model), None)
+
+    def node_agent(self, node_id: str | None) -> NodeAgentConfig:
+        """The agent section for `node_id`; the only one when `node_id` is None."""
+        if node_id is None:
+            if len(self.node_agents) != 1:
+                raise ConfigError(f"{self.path}: node_agents has {len(self.node_agents)} entries; pass --node")
+            return self.node_agents[0]
+        for agent in self.node_agents:
+            if agent.node_id == node_id:
+                return agent
+        raise ConfigError(f"{self.path}: node_agents has no node_id {node_id!r}")
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def parse_mesh_config(data: Any, path: str = "<config>") -> MeshConfig:
+    """Validates a loaded YAML document; raises ConfigError naming the first bad key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        config = MeshConfig.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        raise ConfigError(f"{path}: {_location(err['loc'])}: {message}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    config.path = path
+    return config
+
+
+def load_mesh_config(path: str | Path) -> MeshConfig:
+    """Reads and validates the mesh file at `path`."""
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    return parse_mesh_config(data, path)

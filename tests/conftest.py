@@ -1,0 +1,1 @@
+"""Tests mirror the source tree; shared helpers live in `bench.harness` (benchmarks use them too)."""

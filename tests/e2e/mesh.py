@@ -1,0 +1,101 @@
+"""A whole mesh started with `tandem up` on free loopback ports, as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+
+from tandem.v1 import admin_pb2, admin_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class RunningMesh:
+    """`tandem up` in a subprocess, with typed clients for its admin surfaces."""
+
+    def __init__(self, config: dict, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.config_path = workdir / "mesh.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.run_dir = workdir / "run"
+        self.output = workdir / "up.out"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.config['envoy']['http_listen']}"
+
+    @property
+    def grpc_address(self) -> str:
+        return self.config["envoy"]["grpc_listen"]
+
+    def start(self, timeout: float = 90) -> None:
+        out = open(self.output, "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "up", "--config", str(self.config_path), "--run-dir", str(self.run_dir)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TANDEM_NO_BANNER": "1"},
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tandem up exited:\n{self.output.read_text()}")
+            if "Tandem is up." in self.output.read_text():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"tandem up not ready in {timeout}s:\n{self.output.read_text()}")
+
+    def admin(self) -> admin_pb2_grpc.AdminStub:
+        return admin_pb2_grpc.AdminStub(grpc.insecure_channel(self.grpc_address))
+
+    def agent(self) -> node_agent_pb2_grpc.NodeAgentStub:
+        return node_agent_pb2_grpc.NodeAgentStub(grpc.insecure_channel(self.grpc_address))
+
+    def engines(self) -> dict[str, node_agent_pb2.EngineStatus]:
+        status = self.agent().GetStatus(node_agent_pb2.GetStatusRequest(), timeout=5)
+        return {e.instance.instance_id: e for e in status.engines}
+
+    def stats(self) -> admin_pb2.GetStatsResponse:
+        return self.admin().GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+
+    def wait_for(self, predicate, timeout: float = 30, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def stop(self) -> int:
+        """Ctrl-C, as a user would; returns the exit code."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                return self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                raise
+        return self.process.returncode
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains `text` (to prove nothing is left behind)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(entry.name) != os.getpid():
+            pids.append(int(entry.name))
+    return pids
