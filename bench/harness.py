@@ -30,7 +30,12 @@ def mesh_config(
     ports = free_ports(9 + engines)
     addr = [f"127.0.0.1:{p}" for p in ports]
     return {
-        "envoy": {"http_listen": addr[0], "grpc_listen": addr[1], "admin_listen": addr[2], "base_id": ports[0]},
+        "envoy": {
+            "http_listen": addr[0],
+            "grpc_listen": addr[1],
+            "admin_listen": addr[2],
+            "base_id": ports[0],
+        },
         "coordinator": {
             "listen": addr[3],
             "metrics_listen": addr[4],

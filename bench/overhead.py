@@ -48,10 +48,14 @@ class PathStats:
     busy_s: float = 0.0
 
     def pct(self, values: list[float], q: float) -> float:
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+        return (
+            statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+        )
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, body: dict, stats: PathStats, stream: bool) -> None:
+async def one_request(
+    session: aiohttp.ClientSession, url: str, body: dict, stats: PathStats, stream: bool
+) -> None:
     start = time.perf_counter()
     try:
         async with session.post(url, json=body) as resp:
@@ -73,9 +77,13 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, stat
     stats.latencies.append(time.perf_counter() - start)
 
 
-async def run_round(urls: list[str], count: int, concurrency: int, body: dict, stats: PathStats, stream: bool) -> None:
+async def run_round(
+    urls: list[str], count: int, concurrency: int, body: dict, stats: PathStats, stream: bool
+) -> None:
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+    ) as session:
         counter = iter(range(count))
 
         async def worker() -> None:
@@ -88,7 +96,9 @@ async def run_round(urls: list[str], count: int, concurrency: int, body: dict, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=2000, help="requests per path")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--engines", type=int, default=2)
@@ -105,9 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     path = workdir / "mesh.yaml"
     path.write_text(yaml.safe_dump(config))
     mesh = Mesh(parse_mesh_config(config, str(path)), str(path), workdir / "run")
-    body = {"model": "tandem-sim", "prompt": "Benchmark prompt " * 20, "max_tokens": args.max_tokens,
-            "stream": args.stream}
-    direct_urls = [f"http://127.0.0.1:{e['port']}/v1/completions" for e in config["node_agents"][0]["engines"]]
+    body = {
+        "model": "tandem-sim",
+        "prompt": "Benchmark prompt " * 20,
+        "max_tokens": args.max_tokens,
+        "stream": args.stream,
+    }
+    direct_urls = [
+        f"http://127.0.0.1:{e['port']}/v1/completions" for e in config["node_agents"][0]["engines"]
+    ]
     mesh_urls = [f"http://{config['envoy']['http_listen']}/v1/completions"]
     direct, routed = PathStats(), PathStats()
     try:
@@ -117,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"engines not healthy: {missing}", file=sys.stderr)
             return 1
         pids = {c.name: c.process.pid for c in mesh.components if c.name in ("envoy", "coordinator")}
-        asyncio.run(run_round(direct_urls + mesh_urls, 200, args.concurrency, body, PathStats(), args.stream))  # warm-up
+        asyncio.run(
+            run_round(direct_urls + mesh_urls, 200, args.concurrency, body, PathStats(), args.stream)
+        )  # warm-up
         cpu = dict.fromkeys(pids, 0.0)
         per_round = args.requests // args.rounds
         for r in range(args.rounds):
@@ -132,9 +150,18 @@ def main(argv: list[str] | None = None) -> int:
 
     done = len(routed.latencies)
     rows = [
-        ("requests ok / errors", f"{len(direct.latencies)} / {direct.errors}", f"{done} / {routed.errors}", ""),
-        ("requests/s", f"{len(direct.latencies) / direct.busy_s:.0f}", f"{done / routed.busy_s:.0f}",
-         f"x{(done / routed.busy_s) / (len(direct.latencies) / direct.busy_s):.3f}"),
+        (
+            "requests ok / errors",
+            f"{len(direct.latencies)} / {direct.errors}",
+            f"{done} / {routed.errors}",
+            "",
+        ),
+        (
+            "requests/s",
+            f"{len(direct.latencies) / direct.busy_s:.0f}",
+            f"{done / routed.busy_s:.0f}",
+            f"x{(done / routed.busy_s) / (len(direct.latencies) / direct.busy_s):.3f}",
+        ),
     ]
     for q in (50, 99):
         d, m = direct.pct(direct.latencies, q) * 1e3, routed.pct(routed.latencies, q) * 1e3

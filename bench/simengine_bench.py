@@ -134,17 +134,21 @@ def _cpu_seconds(pid: int) -> float:
 async def _latency(port: int, prompt_tokens: int, out_tokens: int, runs: int) -> tuple[float, float]:
     ttfts, itls = [], []
     for r in range(runs):
-        ids = [300 + (r * 7919 + i * 31) % 3000 for i in range(prompt_tokens)]  # distinct prompts: no cache hits
+        ids = [
+            300 + (r * 7919 + i * 31) % 3000 for i in range(prompt_tokens)
+        ]  # distinct prompts: no cache hits
         body = {"prompt": ids, "max_tokens": out_tokens, "ignore_eos": True, "stream": True}
         stamps: list[float] = []
         t0 = time.perf_counter()
-        await _stream_once(port, body, lambda n: stamps.extend([time.perf_counter()] * n))
+        await _stream_once(port, body, lambda n, s=stamps: s.extend([time.perf_counter()] * n))
         ttfts.append(stamps[0] - t0)
         itls.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     return sum(ttfts) / runs, sum(itls) / runs
 
 
-def timing(profile_name: str, prompt_tokens: int, out_tokens: int, runs: int) -> tuple[float, float, float, float]:
+def timing(
+    profile_name: str, prompt_tokens: int, out_tokens: int, runs: int
+) -> tuple[float, float, float, float]:
     sys.path.insert(0, ROOT)
     from simengine.profiles import PROFILES
 
@@ -170,12 +174,16 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     rate, cpu = throughput(a.streams, a.tokens, a.seconds, a.seed)
     print(f"\nstreamed output tokens/s, 1 engine process, {a.streams} concurrent streams, speedup 10000")
-    print(f"| tokens/s | engine CPU (cores) | target |\n|---:|---:|---:|\n| {rate:,.0f} | {cpu:.2f} | 20,000 |")
+    print(
+        f"| tokens/s | engine CPU (cores) | target |\n|---:|---:|---:|\n| {rate:,.0f} | {cpu:.2f} | 20,000 |"
+    )
     print(f"\ntiming model at speedup 1 ({a.prompt_tokens}-token prompt, 1 request at a time, {a.runs} runs)")
     print("| profile | TTFT measured | TTFT model | ITL measured | ITL model |\n|---|---:|---:|---:|---:|")
     for name in ("ascend-910b", "h100"):
         ttft, ttft_m, itl, itl_m = timing(name, a.prompt_tokens, 32, a.runs)
-        print(f"| {name} | {ttft * 1e3:.1f} ms | {ttft_m * 1e3:.1f} ms | {itl * 1e3:.2f} ms | {itl_m * 1e3:.2f} ms |")
+        print(
+            f"| {name} | {ttft * 1e3:.1f} ms | {ttft_m * 1e3:.1f} ms | {itl * 1e3:.2f} ms | {itl_m * 1e3:.2f} ms |"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.netaddr import split_host_port
 
@@ -76,3 +76,13 @@ class ConductorConfig(BaseModel):
     @classmethod
     def _loopback(cls, value: str) -> str:
         return _check_loopback(value)
+
+    @model_validator(mode="after")
+    def _unique_direct(self) -> ConductorConfig:
+        seen: set[tuple[str, int]] = set()
+        for ep in self.direct_endpoints:
+            key = (ep.instance_id, ep.dp_rank)
+            if key in seen:
+                raise ValueError(f"direct_endpoints: {ep.instance_id} rank {ep.dp_rank} is listed twice")
+            seen.add(key)
+        return self

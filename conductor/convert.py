@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from conductor.ingest import IncomingBatch, IndexStats
 from conductor.match import MatchResult
+from tandem.chain_hash import token_bytes
 from tandem.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium
 from tandem.v1 import common_pb2, conductor_pb2
 
@@ -25,7 +26,7 @@ def events_from_pb(events) -> list[KvEvent]:
                 BlockStored(
                     block_hashes=list(s.block_hashes),
                     parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
-                    token_ids=list(s.token_ids),
+                    token_ids=list(s.token_ids) if s.token_ids else s.token_ids_le32,
                     block_size=s.block_size,
                     medium=_medium(s.medium),
                     lora_id=s.lora_id if s.HasField("lora_id") else None,
@@ -60,7 +61,7 @@ def event_to_pb(ev: KvEvent) -> conductor_pb2.KvEvent:
     if isinstance(ev, BlockStored):
         stored = conductor_pb2.BlockStored(
             block_hashes=ev.block_hashes,
-            token_ids=ev.token_ids,
+            token_ids_le32=token_bytes(ev.token_ids),
             block_size=ev.block_size,
             medium=int(ev.medium),
             lora_name=ev.lora_name or "",
@@ -102,31 +103,34 @@ def batch_to_pb(
 
 
 def match_to_pb(request_id: str, result: MatchResult) -> conductor_pb2.MatchResponse:
-    """A `MatchResult` as the `MatchResponse` of `request_id`."""
-    RankMatch, InstanceMatch = conductor_pb2.RankMatch, conductor_pb2.InstanceMatch
-    instances = []
+    """A `MatchResult` as the `MatchResponse` of `request_id`.
+
+    Built with `add()` and attribute stores, which upb does ~2x faster than keyword constructors (this is a
+    visible share of a 512-instance Match); zero fields are left unset, as proto3 would drop them anyway.
+    """
+    resp = conductor_pb2.MatchResponse(request_id=request_id)
+    add = resp.instances.add
     for hit in result.instances:
         bs = hit.block_size
-        ranks = [
-            RankMatch(
-                dp_rank=r.dp_rank,
-                npu_blocks=r.npu_blocks,
-                cpu_blocks=r.cpu_blocks,
-                disk_blocks=r.disk_blocks,
-                matched_tokens=(r.npu_blocks + r.cpu_blocks + r.disk_blocks) * bs,
-            )
-            for r in hit.ranks
-        ]
-        instances.append(
-            InstanceMatch(
-                instance_id=hit.instance_id,
-                block_size=bs,
-                matched_tokens=hit.matched_tokens,
-                best_dp_rank=hit.best_dp_rank,
-                ranks=ranks,
-            )
-        )
-    return conductor_pb2.MatchResponse(request_id=request_id, instances=instances)
+        im = add()
+        im.instance_id = hit.instance_id
+        im.block_size = bs
+        im.matched_tokens = hit.matched_tokens
+        if hit.best_dp_rank:
+            im.best_dp_rank = hit.best_dp_rank
+        add_rank = im.ranks.add
+        for r in hit.ranks:
+            rm = add_rank()
+            if r.dp_rank:
+                rm.dp_rank = r.dp_rank
+            if r.npu_blocks:
+                rm.npu_blocks = r.npu_blocks
+            if r.cpu_blocks:
+                rm.cpu_blocks = r.cpu_blocks
+            if r.disk_blocks:
+                rm.disk_blocks = r.disk_blocks
+            rm.matched_tokens = (r.npu_blocks + r.cpu_blocks + r.disk_blocks) * bs
+    return resp
 
 
 def stats_to_pb(s: IndexStats) -> conductor_pb2.GetIndexStatsResponse:

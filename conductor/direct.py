@@ -86,14 +86,34 @@ class DirectSource:
 
     async def _apply(self) -> None:
         can_replay = self.ep.replay_endpoint is not None
+        # a (re)started conductor first rebuilds from what the engine still buffers; live batches wait in the queue
+        skip_upto = await self._replay_all() if can_replay else -1
         while True:
             seq, payload = await self.queue.get()
+            if seq <= skip_upto:
+                continue  # already applied from the replay
+            skip_upto = -1  # from here on an older sequence means an engine restart again
             b = self._incoming(seq, payload, replayed=False)
             if b is None:
                 continue
             ask = self.core.batch(b, self, can_replay)
             if ask is not None:
                 await self._replay(ask.from_sequence)
+
+    async def _replay_all(self) -> int:
+        """Replays from sequence 0 (the engine sends what it buffers); returns the last sequence applied."""
+        last = -1
+        try:
+            async for seq, payload in replay_batches(
+                self.ctx, self.ep.replay_endpoint or "", 0, self.replay_timeout_s
+            ):
+                b = self._incoming(seq, payload, replayed=True)
+                if b is not None:
+                    self.core.batch(b, self, True)
+                last = seq
+        except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
+            log.warning("initial replay failed", extra={"instance_id": self.ep.instance_id, "err": str(exc)})
+        return last
 
     async def _replay(self, from_seq: int) -> None:
         """Replays inline; live batches wait in the bounded queue meanwhile (held by the tracker once read)."""

@@ -46,7 +46,7 @@ class RankSeq:
 class FreshnessCounters:
     """Monotonic counters since start."""
 
-    gaps: int = 0  # sequence gaps seen (live, or inside a replay)
+    gaps: int = 0  # sequence gaps seen (live, or in an unasked replay)
     replays: int = 0  # replays asked for
     recovered: int = 0  # replays that closed their gap
     clears: int = 0  # ranks cleared because events were lost (unrecoverable gap, timeout, overflow)
@@ -119,7 +119,7 @@ class SequenceTracker(Generic[T]):
         if seq == st.expected:
             st.expected = seq + 1
             return Step(apply=[batch])
-        self.counters.gaps += 1  # the engine's buffer no longer had what we asked: clear, carry on
+        # the engine's buffer no longer had what we asked (the same gap, not a new one): clear, carry on
         self.counters.clears += 1
         st.hole_cleared = True
         st.expected = seq + 1
@@ -177,7 +177,6 @@ class SequenceTracker(Generic[T]):
             elif seq < st.expected:
                 self.counters.duplicates += 1
             else:  # the replay ended short of the held batches: events in between are lost
-                self.counters.gaps += 1
                 self.counters.clears += 1
                 clear = step.clear = True
                 step.apply.clear()  # anything released before the hole is cleared anyway

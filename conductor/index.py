@@ -218,7 +218,8 @@ class KvIndex:
     def _store_tokens(self, h: Holder, ev: BlockStored, medium: int) -> None:
         bs = h.space.block_size
         hashes = ev.block_hashes
-        n = min(len(hashes), len(ev.token_ids) // bs)
+        tokens = ev.token_ids
+        n = min(len(hashes), (len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)) // bs)
         if ev.parent_block_hash is None:
             own = lora_root(ev.lora_name)
         else:
@@ -226,7 +227,7 @@ class KvIndex:
             if own is None:
                 self.counters.orphan_blocks += len(hashes)
                 return
-        buf = memoryview(token_bytes(ev.token_ids))
+        buf = memoryview(token_bytes(tokens))
         step = bs * 4
         blocks, tier, bit = h.blocks, h.space.tiers[medium], h.bit
         reject = self.eviction == "reject_new"

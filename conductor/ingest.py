@@ -65,6 +65,7 @@ class IndexStats:
     rejected_entries: int
     orphan_blocks: int
     unresolved_blocks: int
+    bad_events: int
 
 
 class _Window:
@@ -116,7 +117,7 @@ class IngestCore:
         self.rank_source: dict[tuple[str, int], Hashable] = {}
         self.events_total = 0
         self.batches_total = 0
-        self.decode_errors = 0
+        self.bad_events = 0  # events the index could not apply (malformed values), skipped
         self._events = _Window()
         self._lag = _Window()
 
@@ -168,7 +169,10 @@ class IngestCore:
         for b in step.apply:
             h = index.holder(b.instance_id, b.dp_rank, b.model, b.block_size)
             for ev in b.events:
-                index.apply(h, ev)
+                try:
+                    index.apply(h, ev)
+                except (OverflowError, TypeError, ValueError):  # a token id that is no uint32, a bad hash...
+                    self.bad_events += 1
             n_events += len(b.events)
         self.events_total += n_events
         self.batches_total += len(step.apply)
@@ -200,4 +204,5 @@ class IngestCore:
             rejected_entries=ix.counters.rejected_entries,
             orphan_blocks=ix.counters.orphan_blocks,
             unresolved_blocks=ix.counters.unresolved_blocks,
+            bad_events=self.bad_events,
         )

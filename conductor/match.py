@@ -65,7 +65,7 @@ def walk(space: BlockSpace, hashes: list[int], alive: int, deadline: float | Non
     state = [-1] * slots  # 0 NPU, 1 CPU, 2 disk, -1 not matching
     counts: dict[int, list[int]] = {}
     rn = rc = rd = -1  # raw masks (medium & alive) of the previous block
-    prev = [0, 0, 0]  # exclusive masks of the previous block: NPU, CPU and not NPU, disk only
+    pn = pc = pd = 0  # exclusive masks of the previous block: NPU, CPU and not NPU, disk only
     truncated = False
     i = 0
     for i, h in enumerate(hashes):  # noqa: B007 - i is read after the loop
@@ -75,29 +75,25 @@ def walk(space: BlockSpace, hashes: list[int], alive: int, deadline: float | Non
         if n == rn and c == rc and d == rd:
             continue  # same masks as the block before: nothing to do (the common case)
         rn, rc, rd = n, c, d
-        u = n | c | d
-        cur = (n, c & ~n, d & ~(n | c))
-        # holders entering a state: NPU, CPU, disk; then holders leaving the match
-        for new_state, entering in (
-            (0, cur[0] & ~prev[0]),
-            (1, cur[1] & ~prev[1]),
-            (2, cur[2] & ~prev[2]),
-            (-1, alive & ~u),
-        ):
-            while entering:
-                low = entering & -entering
-                entering ^= low
-                slot = low.bit_length() - 1
-                old = state[slot]
-                if old >= 0:
-                    cnt = counts.get(slot)
-                    if cnt is None:
-                        cnt = counts[slot] = [0, 0, 0]
-                    cnt[old] += i - start[slot]
-                state[slot] = new_state
-                start[slot] = i
-        prev = cur
-        alive = u
+        if c:
+            c &= ~n
+        if d:
+            d &= ~(n | c)
+        changed = (n ^ pn) | (c ^ pc) | (d ^ pd)  # holders whose state differs from the block before
+        while changed:
+            low = changed & -changed
+            changed ^= low
+            slot = low.bit_length() - 1
+            old = state[slot]
+            if old >= 0:
+                cnt = counts.get(slot)
+                if cnt is None:
+                    cnt = counts[slot] = [0, 0, 0]
+                cnt[old] += i - start[slot]
+            state[slot] = 0 if n & low else 1 if c & low else 2 if d & low else -1
+            start[slot] = i
+        pn, pc, pd = n, c, d
+        alive = n | c | d
         if not alive:
             break
         if deadline is not None and time.perf_counter() > deadline:  # checked where the masks change

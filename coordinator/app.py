@@ -1,25 +1,22 @@
-"""Wires the coordinator process: picker core, ext_proc, Registry, Admin, Metaserver, mesh health."""
+"""Wires the coordinator process: picker core, ext_proc, Registry, Admin, Metaserver, mesh health, reloads."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from coordinator import mesh_health
+from coordinator.config_watch import watch_config
 from coordinator.ext_proc import ExternalProcessor
+from coordinator.handoff import HandoffRunner
 from coordinator.instances import InstanceTable
+from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker, TokenizerCache
-from coordinator.scheduling import create_policy
-from coordinator.services import (
-    AdminService,
-    MetaserverService,
-    RegistryService,
-    config_as_yaml,
-    publish_instance_counts,
-)
+from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.workload import WorkloadLedger
 from tandem.config import MeshConfig
 from tandem.grpc_server import GrpcApp
@@ -37,25 +34,44 @@ log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
-def build(mesh: MeshConfig) -> tuple[GrpcApp, EndpointPicker, RegistryService]:
+@dataclass
+class Coordinator:
+    """The parts of one coordinator process."""
+
+    app: GrpcApp
+    picker: EndpointPicker
+    registry: RegistryService
+    admin: AdminService
+    matcher: ConductorMatcher
+
+
+def build(mesh: MeshConfig) -> Coordinator:
     """The coordinator's gRPC app, ready to run."""
     config = mesh.coordinator
     instances = InstanceTable(m.name for m in mesh.models)
     tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
-    picker = EndpointPicker(config, instances, WorkloadLedger(), create_policy(config.scheduler.policy), tokenizers)
+    matcher = ConductorMatcher(mesh.conductor.listen, config.scheduler.match_timeout_ms / 1000)
+    picker = EndpointPicker(
+        config, instances, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher
+    )
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
         tokenizers.get(model.name)
     app = GrpcApp("coordinator", config.listen, config.metrics_listen)
-    ext_proc = ExternalProcessor(picker)
+    handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
+    ext_proc = ExternalProcessor(picker, handoff, config.prefill_budget_s)
     registry = RegistryService(instances, config)
+    admin = AdminService(picker, ext_proc.counters, mesh)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)
-    admin = AdminService(picker, ext_proc.counters, config_as_yaml(mesh), mesh.path)
     app.add_service("tandem.v1.Admin", admin_pb2_grpc.add_AdminServicer_to_server, admin)
-    app.add_service("tandem.v1.Metaserver", metaserver_pb2_grpc.add_MetaserverServicer_to_server, MetaserverService())
+    app.add_service(
+        "tandem.v1.Metaserver", metaserver_pb2_grpc.add_MetaserverServicer_to_server, MetaserverService()
+    )
     # Reflection on Envoy's :9000 is answered here, so it describes every service the listener routes.
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
-    return app, picker, registry
+    app.on_stop(handoff.close)
+    app.on_stop(matcher.close)
+    return Coordinator(app, picker, registry, admin, matcher)
 
 
 async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
@@ -70,13 +86,16 @@ async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
 
 async def run(mesh: MeshConfig) -> None:
     """Serves until SIGTERM."""
-    app, picker, registry = build(mesh)
+    c = build(mesh)
     tasks: list[asyncio.Task] = []
 
     async def after_start() -> None:
-        tasks.append(asyncio.create_task(expire_silent(picker, mesh.coordinator.heartbeat_interval_s)))
-        tasks.append(asyncio.create_task(mesh_health.watch_conductor(app.health, mesh.conductor.listen)))
-        tasks.append(asyncio.create_task(mesh_health.watch_agents(app.health, registry)))
+        c.matcher.start()
+        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.heartbeat_interval_s)))
+        tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
+        tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
+        if mesh.path:
+            tasks.append(asyncio.create_task(watch_config(mesh, c.picker, c.matcher)))
 
     async def cancel_tasks() -> None:
         for task in tasks:
@@ -85,5 +104,5 @@ async def run(mesh: MeshConfig) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    app.on_stop(cancel_tasks)
-    await app.run(after_start)
+    c.app.on_stop(cancel_tasks)
+    await c.app.run(after_start)

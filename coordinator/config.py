@@ -2,20 +2,104 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coordinator.scheduling import Policy, create_policy, policy_types
+from coordinator.scheduling.params import as_dict
 from tandem.netaddr import split_host_port
 
+log = logging.getLogger(__name__)
 
-class SchedulerConfig(BaseModel):
-    """How the coordinator picks an instance among the healthy ones serving the request's model."""
+#: Built-in policy types whose parameters may be set in a section of `scheduler` named after the type.
+PARAM_SECTIONS = ("kv_affinity", "dynamo", "sglang_cache_aware", "llm_d")
+
+
+class PolicySpec(BaseModel):
+    """A named policy instance with its parameters (to compare variants side by side)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["round_robin", "least_load"] = "least_load"
-    """`round_robin`: in turn. `least_load`: fewest committed tokens (prompt + requested output) in flight."""
+    name: str = Field(min_length=1)
+    """The name `scheduler.policy` refers to."""
+    type: str
+    """A built-in policy type."""
+    params: dict[str, Any] = {}
+    """The type's parameters; defaults fill the rest."""
+
+
+class SchedulerConfig(BaseModel):
+    """How the coordinator picks instances."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = "least_load"
+    """The policy in use: a built-in type (`round_robin`, `least_load`, `kv_affinity`, ...) or a `policies` name."""
+    kv_affinity: dict[str, Any] = {}
+    """Parameters of the built-in `kv_affinity` (see `coordinator/scheduling/kv_affinity.py`)."""
+    dynamo: dict[str, Any] = {}
+    """Parameters of the built-in `dynamo` (see `coordinator/scheduling/dynamo.py`)."""
+    sglang_cache_aware: dict[str, Any] = {}
+    """Parameters of the built-in `sglang_cache_aware`."""
+    llm_d: dict[str, Any] = {}
+    """Parameters of the built-in `llm_d`."""
+    policies: list[PolicySpec] = []
+    """Extra named policy instances."""
+    match_timeout_ms: float = Field(default=20.0, gt=0)
+    """Deadline of one conductor `Match`; past it (or with the conductor down) scoring uses load alone."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate_flat_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        flat = [k for k in data if isinstance(k, str) and k.startswith("kv_affinity_")]
+        if not flat:
+            return data
+        data = dict(data)
+        nested = dict(data.get("kv_affinity") or {})
+        for key in flat:
+            param = key[len("kv_affinity_") :]
+            value = data.pop(key)
+            if param in nested:
+                message = f"scheduler.{key} is deprecated and ignored: scheduler.kv_affinity.{param} is set and wins"
+            else:
+                nested[param] = value
+                message = f"scheduler.{key} is deprecated: moved to scheduler.kv_affinity.{param}"
+            log.warning(message)
+        data["kv_affinity"] = nested
+        return data
+
+    @model_validator(mode="after")
+    def _check_policies(self) -> SchedulerConfig:
+        types = policy_types()
+        for section in PARAM_SECTIONS:
+            setattr(self, section, as_dict(create_policy(section, getattr(self, section)).params))
+        names: set[str] = set()
+        for spec in self.policies:
+            if spec.name in names or spec.name in types:
+                raise ValueError(f"policies: duplicate policy name {spec.name!r}")
+            names.add(spec.name)
+            if spec.type not in types:
+                raise ValueError(
+                    f"policies.{spec.name}.type: unknown policy type {spec.type!r} (known: {', '.join(types)})"
+                )
+            spec.params = as_dict(create_policy(spec.type, spec.params).params)
+        if self.policy not in types and self.policy not in names:
+            known = ", ".join([*types, *sorted(names)])
+            raise ValueError(f"policy: unknown scheduling policy {self.policy!r} (known: {known})")
+        return self
+
+    def build(self) -> Policy:
+        """A new instance of the policy in use."""
+        for spec in self.policies:
+            if spec.name == self.policy:
+                return create_policy(spec.type, spec.params)
+        return create_policy(
+            self.policy, getattr(self, self.policy, None) if self.policy in PARAM_SECTIONS else None
+        )
 
 
 class CoordinatorConfig(BaseModel):
@@ -33,6 +117,13 @@ class CoordinatorConfig(BaseModel):
     """Output tokens counted for a completions request without `max_tokens` (vLLM's default is 16)."""
     chat_default_max_tokens: int = Field(default=256, gt=0)
     """Output tokens counted for a chat request without `max_tokens`/`max_completion_tokens`."""
+    pd_mode: Literal["auto", "aggregated", "prefill_handoff_decode"] = "auto"
+    """`aggregated`: hybrid instances only. `prefill_handoff_decode`: prefill first, then decode with the
+    prefill's `kv_transfer_params`. `auto`: P/D when the model has prefill and decode instances, else aggregated."""
+    prefill_attempts: int = Field(default=2, ge=1)
+    """Prefill instances tried for one request in handoff mode before answering 503."""
+    prefill_timeout_s: float = Field(default=120.0, gt=0)
+    """Longest prefill leg; past it the leg counts as failed."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Scheduling policy."""
 
@@ -41,3 +132,8 @@ class CoordinatorConfig(BaseModel):
     def _address(cls, value: str) -> str:
         split_host_port(value)
         return value
+
+    @property
+    def prefill_budget_s(self) -> float:
+        """The longest the coordinator may hold a request while prefill legs run (Envoy's message timer)."""
+        return self.prefill_timeout_s * self.prefill_attempts + 5.0

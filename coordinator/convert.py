@@ -7,7 +7,11 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from coordinator.instances import EngineLoad, Health, InstanceInfo, InstanceState
 from tandem.v1 import admin_pb2, common_pb2
 
-ROLE_NAMES = {common_pb2.ROLE_HYBRID: "hybrid", common_pb2.ROLE_PREFILL: "prefill", common_pb2.ROLE_DECODE: "decode"}
+ROLE_NAMES = {
+    common_pb2.ROLE_HYBRID: "hybrid",
+    common_pb2.ROLE_PREFILL: "prefill",
+    common_pb2.ROLE_DECODE: "decode",
+}
 ROLE_VALUES = {v: k for k, v in ROLE_NAMES.items()}
 DISPATCH_NAMES = {
     common_pb2.DISPATCH_CAPABILITY_AGGREGATED: "aggregated",

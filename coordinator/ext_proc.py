@@ -20,11 +20,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
+from google.protobuf.duration_pb2 import Duration
 
 from coordinator import metrics
 from coordinator.errors import OpenAIError
+from coordinator.handoff import HandoffRunner
 from coordinator.openai_request import ROUTED_PATHS
-from coordinator.picker import Decision, EndpointPicker
+from coordinator.picker import HANDOFF, Decision, EndpointPicker
 from tandem.logs import request_id_var
 
 log = logging.getLogger(__name__)
@@ -92,9 +94,13 @@ class _Stream:
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """Routes OpenAI requests; answers `/v1/models` and errors itself."""
 
-    def __init__(self, picker: EndpointPicker) -> None:
+    def __init__(self, picker: EndpointPicker, handoff: HandoffRunner, prefill_budget_s: float = 0.0) -> None:
         self.picker = picker
+        self.handoff = handoff
         self.counters = RequestCounters()
+        budget = Duration()
+        budget.FromMilliseconds(int(prefill_budget_s * 1000))
+        self._extend_timeout = ep.ProcessingResponse(override_message_timeout=budget)
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context
@@ -106,7 +112,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 if kind == "request_headers":
                     yield self._on_headers(stream, message.request_headers)
                 elif kind == "request_body":
-                    yield self._on_body(stream, message.request_body)
+                    async for reply in self._on_body(stream, message.request_body):
+                        yield reply
                 elif kind == "response_headers":
                     yield _CONTINUE_RESPONSE_HEADERS
                 elif kind == "response_body":
@@ -117,9 +124,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     yield _CONTINUE_RESPONSE_TRAILERS
         finally:
             # Completed, failed, or cut by the client: Envoy ended the stream, the request holds nothing more.
-            if stream.decision is not None and self.picker.finish(stream.decision):
+            decision = stream.decision
+            if decision is not None and self.picker.release(decision.target):
                 metrics.INFLIGHT.dec()
-                metrics.set_workload(self.picker.ledger, stream.decision.instance.info.instance_id)
+                metrics.set_workload(self.picker.ledger, decision.target.instance.info.instance_id)
 
     def _on_headers(self, stream: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
         method = ""
@@ -147,31 +155,49 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return immediate(200, b"", "tandem_health")
         return self._reject(OpenAIError(404, f"Tandem does not route {method} {stream.path}."))
 
-    def _on_body(self, stream: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
+    async def _on_body(self, stream: _Stream, body: ep.HttpBody) -> AsyncIterator[ep.ProcessingResponse]:
         if stream.api is None:  # a body after an immediate answer: nothing to do
-            return ep.ProcessingResponse(request_body=ep.BodyResponse())
+            yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+            return
         start = time.perf_counter()
         try:
-            decision = self.picker.decide(stream.api, body.body, stream.request_id)
+            decision = await self.picker.decide(stream.api, body.body, stream.request_id)
         except OpenAIError as exc:
-            return self._reject(exc)
+            yield self._reject(exc)
+            return
         except Exception:
             log.exception("routing failed")
-            return self._reject(OpenAIError(500, "The coordinator failed to route this request; see its log."))
+            yield self._reject(OpenAIError(500, "The coordinator failed to route this request; see its log."))
+            return
+        # Registered on the stream at once: from here on, the stream's end releases the workload.
         stream.decision = decision
-        instance = decision.instance.info
+        instance = decision.target.instance.info
         self.counters.routed += 1
         metrics.INFLIGHT.inc()
         metrics.ROUTED.labels(instance.instance_id).inc()
-        metrics.set_workload(self.picker.ledger, instance.instance_id)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
-        log.debug("routed", extra={"instance": instance.instance_id, "prompt_tokens": decision.request.prompt_tokens})
-        mutation = ep.HeaderMutation(
-            set_headers=[_header(DESTINATION_HEADER, instance.address), _header("x-request-id", stream.request_id)]
+        new_body = None
+        if decision.mode == HANDOFF:
+            # Envoy waits for this reply while the prefill leg runs: extend its message timer first.
+            yield self._extend_timeout
+            try:
+                new_body = await self.handoff.run(decision, stream.path)
+            except OpenAIError as exc:
+                yield self._reject(exc)
+                return
+        metrics.set_workload(self.picker.ledger, instance.instance_id)
+        log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
+        headers = [_header(DESTINATION_HEADER, instance.address), _header("x-request-id", stream.request_id)]
+        mutation = None
+        if new_body is not None:
+            headers.append(_header("content-length", str(len(new_body))))
+            mutation = ep.BodyMutation(body=new_body)
+        common = ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(set_headers=headers),
+            body_mutation=mutation,
+            clear_route_cache=True,
         )
-        return ep.ProcessingResponse(
-            request_body=ep.BodyResponse(response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True))
-        )
+        yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
 
     def _reject(self, error: OpenAIError) -> ep.ProcessingResponse:
         self.counters.rejected += 1

@@ -21,3 +21,11 @@ INSTANCES = Gauge("tandem_coordinator_instances", "Registered instances by healt
 def set_workload(ledger: WorkloadLedger, instance_id: str) -> None:
     """Publishes the ledger's figure for one instance."""
     WORKLOAD.labels(instance_id).set(ledger.tokens(instance_id))
+
+
+MATCH_FALLBACKS = Counter(
+    "tandem_coordinator_match_fallbacks",
+    "Requests scored on load alone because the conductor could not answer",
+    ["reason"],
+)
+PREFILL_LEGS = Counter("tandem_coordinator_prefill_legs", "Prefill legs sent in P/D handoff", ["outcome"])

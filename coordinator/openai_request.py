@@ -60,7 +60,9 @@ def model_of(body: dict[str, Any]) -> str:
     return model
 
 
-def understand(api: str, body: dict[str, Any], tokenizer: Tokenizer, default_max_tokens: int) -> OpenAIRequest:
+def understand(
+    api: str, body: dict[str, Any], tokenizer: Tokenizer, default_max_tokens: int
+) -> OpenAIRequest:
     """Validates the fields scheduling relies on and tokenizes the prompt as the engine will."""
     model = model_of(body)
     stream = body.get("stream", False)

@@ -1,37 +1,64 @@
-"""The endpoint picker: from a request body to the instance that serves it, with its workload committed.
+"""The endpoint picker: from a request body to the instances that serve it, with their workload committed.
 
-Pure core: the ext_proc shell feeds it bytes and turns its decisions (or `OpenAIError`s) into Envoy replies.
+Pure core apart from the awaited conductor match: the ext_proc shell feeds it bytes and turns its decisions (or
+`OpenAIError`s) into Envoy replies.
+
+Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has prefill or decode instances):
+- aggregated: one hybrid instance, chosen by the configured policy;
+- prefill_handoff_decode: a decode instance chosen by load (its KV arrives from the prefill engine), and a
+  prefill instance chosen by the configured policy for each prefill attempt (`pick_prefill`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
+from coordinator.kv_match import ConductorMatcher
 from coordinator.openai_request import OpenAIRequest, model_of, parse_body, understand
-from coordinator.scheduling import Candidate, Policy, RequestFacts
+from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts, create_policy
 from coordinator.workload import Commitment, WorkloadLedger
 from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+AGGREGATED = "aggregated"
+HANDOFF = "prefill_handoff_decode"
+
+
+@dataclass(slots=True)
+class Leg:
+    """One instance a request uses, with the workload committed there and the KV facts it was chosen on."""
+
+    instance: InstanceState
+    commitment: Commitment
+    match: KvMatch = NO_MATCH
+
 
 @dataclass(slots=True)
 class Decision:
-    """Where a request goes, and the workload it holds until it ends."""
+    """Where a request goes and what it holds until it ends."""
 
     request: OpenAIRequest
-    instance: InstanceState
-    commitment: Commitment
+    request_id: str
+    mode: str
+    target: Leg  # where Envoy forwards the request: the aggregated engine, or the decode engine
+    matches: dict[str, KvMatch] | None = None  # conductor facts for the prefill pool (handoff), asked once
+
+    @property
+    def facts(self) -> RequestFacts:
+        r = self.request
+        return RequestFacts(self.request_id, r.model, r.prompt_tokens, r.max_tokens)
 
 
 class TokenizerCache:
     """One tokenizer per model, loaded on first use."""
 
-    def __init__(self, paths: dict[str, str | None], load) -> None:
+    def __init__(self, paths: dict[str, str | None], load: Callable[[str | None], Tokenizer]) -> None:
         self._paths = paths
         self._load = load
         self._by_model: dict[str, Tokenizer] = {}
@@ -54,34 +81,128 @@ class EndpointPicker:
         ledger: WorkloadLedger,
         policy: Policy,
         tokenizers: TokenizerCache,
+        matcher: ConductorMatcher | None = None,
     ) -> None:
         self.config = config
         self.instances = instances
         self.ledger = ledger
         self.policy = policy
         self.tokenizers = tokenizers
+        self.matcher = matcher
+        self._decode_policy = create_policy("least_load")
 
-    def decide(self, api: str, raw_body: bytes, request_id: str) -> Decision:
-        """Picks an instance and commits the request's tokens to it; raises OpenAIError (400/404/503)."""
+    def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
+        """Parses and validates the body; 400 for bad input, 404 for an unknown model."""
         body = parse_body(raw_body)
         model = model_of(body)
         if model not in self.instances.known_models:
             served = ", ".join(sorted(self.instances.known_models)) or "none"
             raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
-        default_max = self.config.chat_default_max_tokens if api == "chat.completions" else self.config.default_max_tokens
-        request = understand(api, body, self.tokenizers.get(model), default_max)
-        candidates = [
-            Candidate(s, self.ledger.tokens(s.info.instance_id), self.ledger.requests(s.info.instance_id))
-            for s in self.instances.serving(model)
-            if s.routable
-        ]
-        if not candidates:
-            raise OpenAIError(503, f"No healthy instance serves the model `{model}` right now; retry later.")
-        facts = RequestFacts(request_id, model, request.prompt_tokens, request.max_tokens)
-        chosen = self.policy.pick(facts, candidates)
-        commitment = self.ledger.commit(chosen.instance_id, request.prompt_tokens + request.max_tokens)
-        return Decision(request, chosen.state, commitment)
+        chat = api == "chat.completions"
+        default_max = self.config.chat_default_max_tokens if chat else self.config.default_max_tokens
+        return understand(api, body, self.tokenizers.get(model), default_max)
 
-    def finish(self, decision: Decision) -> bool:
-        """Releases the request's workload; True the first time only."""
-        return self.ledger.release(decision.commitment)
+    def mode_of(self, model: str) -> str:
+        """The serving mode of `model` under `pd_mode`."""
+        if self.config.pd_mode != "auto":
+            return self.config.pd_mode
+        disaggregated = any(s.info.role != "hybrid" for s in self.instances.serving(model))
+        return HANDOFF if disaggregated else AGGREGATED
+
+    def _routable(self, model: str, role: str) -> list[InstanceState]:
+        return [s for s in self.instances.serving(model) if s.routable and s.info.role == role]
+
+    def _candidates(
+        self, states: Sequence[InstanceState], matches: dict[str, KvMatch] | None
+    ) -> list[Candidate]:
+        ledger = self.ledger
+        return [
+            Candidate(
+                s,
+                ledger.prefill_tokens(s.info.instance_id),
+                ledger.decode_tokens(s.info.instance_id),
+                ledger.requests(s.info.instance_id),
+                ledger.context_tokens(s.info.instance_id),
+                (matches or {}).get(s.info.instance_id, NO_MATCH),
+            )
+            for s in states
+        ]
+
+    async def _matches(self, policy: Policy, request_id: str, request: OpenAIRequest, states) -> dict | None:
+        if not policy.needs_match or self.matcher is None:
+            return None
+        ids = [s.info.instance_id for s in states]
+        # One lookup per request: the first prompt (multi-prompt completions are scored on it).
+        return await self.matcher.match(request_id, request.model, request.prompts[0], ids)
+
+    def _commit(self, state: InstanceState, prefill: int, decode: int, context: int) -> Commitment:
+        return self.ledger.commit(state.info.instance_id, prefill, decode, context)
+
+    async def decide(self, api: str, raw_body: bytes, request_id: str) -> Decision:
+        """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503)."""
+        request = self.understand(api, raw_body)
+        model, isl, out = request.model, request.prompt_tokens, request.max_tokens
+        mode = self.mode_of(model)
+        if mode == AGGREGATED:
+            states = self._routable(model, "hybrid")
+            if not states:
+                raise OpenAIError(
+                    503, f"No healthy instance serves the model `{model}` right now; retry later."
+                )
+            matches = await self._matches(self.policy, request_id, request, states)
+            facts = RequestFacts(request_id, model, isl, out)
+            chosen = self.policy.pick(facts, self._candidates(states, matches))
+            matched = min(chosen.match.matched_tokens, isl)
+            leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, out, isl + out), chosen.match)
+            return Decision(request, request_id, mode, leg)
+        self._check_disaggregated(model)
+        if len(request.prompts) > 1:
+            raise OpenAIError(
+                400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
+            )
+        decodes = self._routable(model, "decode")
+        if not decodes:
+            raise OpenAIError(
+                503, f"No healthy decode instance serves the model `{model}` right now; retry later."
+            )
+        facts = RequestFacts(request_id, model, isl, out)
+        decode = self._decode_policy.pick(facts, self._candidates(decodes, None))
+        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out))
+        return Decision(request, request_id, mode, leg)
+
+    def _check_disaggregated(self, model: str) -> None:
+        pd = [s for s in self.instances.serving(model) if s.routable and s.info.role != "hybrid"]
+        kinds = {s.info.dispatch for s in pd}
+        if {"handoff", "trigger"} <= kinds:
+            raise OpenAIError(
+                503,
+                f"The instances of `{model}` mix handoff-only and trigger-only P/D capability; the coordinator "
+                "cannot pair them. Give every prefill and decode instance of a model the same connector kind.",
+            )
+        if kinds == {"trigger"}:
+            raise OpenAIError(
+                503,
+                f"The instances of `{model}` serve decode-first trigger mode (concurrent_engine_sync), which this "
+                "coordinator does not run yet.",
+            )
+
+    async def pick_prefill(self, decision: Decision, exclude: set[str]) -> Leg:
+        """A prefill instance for the next attempt, not one of `exclude`; 503 when none is left."""
+        request = decision.request
+        states = [s for s in self._routable(request.model, "prefill") if s.info.instance_id not in exclude]
+        if not states:
+            tried = f" ({len(exclude)} tried)" if exclude else ""
+            raise OpenAIError(503, f"No healthy prefill instance serves `{request.model}` right now{tried}.")
+        if decision.matches is None:
+            all_prefill = self._routable(request.model, "prefill")
+            decision.matches = (
+                await self._matches(self.policy, decision.request_id, request, all_prefill) or {}
+            )
+        chosen = self.policy.pick(decision.facts, self._candidates(states, decision.matches))
+        isl = request.prompt_tokens
+        matched = min(chosen.match.matched_tokens, isl)
+        return Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl), chosen.match)
+
+    def release(self, leg: Leg) -> bool:
+        """Releases one leg's workload; True the first time only."""
+        return self.ledger.release(leg.commitment)

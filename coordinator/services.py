@@ -11,8 +11,8 @@ from google.protobuf.duration_pb2 import Duration
 
 from coordinator import metrics
 from coordinator.config import CoordinatorConfig
-from coordinator.ext_proc import RequestCounters
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
+from coordinator.ext_proc import RequestCounters
 from coordinator.instances import Health, InstanceTable
 from coordinator.picker import EndpointPicker
 from tandem.v1 import admin_pb2, admin_pb2_grpc, metaserver_pb2_grpc, registry_pb2, registry_pb2_grpc
@@ -44,7 +44,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.instances.register(info)
         publish_instance_counts(self.instances)
-        log.info("registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address})
+        log.info(
+            "registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address}
+        )
         interval = Duration()
         interval.FromMilliseconds(int(self.config.heartbeat_interval_s * 1000))
         return registry_pb2.RegisterResponse(heartbeat_interval=interval)
@@ -62,7 +64,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             self.open_streams -= 1
             publish_instance_counts(self.instances)
 
-    async def Deregister(self, request: registry_pb2.DeregisterRequest, context) -> registry_pb2.DeregisterResponse:
+    async def Deregister(
+        self, request: registry_pb2.DeregisterRequest, context
+    ) -> registry_pb2.DeregisterResponse:
         state = self.instances.deregister(request.instance_id)
         publish_instance_counts(self.instances)
         log.info("deregistered", extra={"instance": request.instance_id, "reason": request.reason})
@@ -72,11 +76,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 class AdminService(admin_pb2_grpc.AdminServicer):
     """The operator's view: instances, drain, config, stats."""
 
-    def __init__(self, picker: EndpointPicker, counters: RequestCounters, config_yaml: str, config_path: str) -> None:
+    def __init__(self, picker: EndpointPicker, counters: RequestCounters, mesh) -> None:
         self.picker = picker
         self.counters = counters
-        self.config_yaml = config_yaml
-        self.config_path = config_path
+        self.mesh = mesh  # the running config; its scheduler section follows reloads
 
     def _status(self, instance_id: str):
         state = self.picker.instances.get(instance_id)
@@ -86,7 +89,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return status_to_proto(state, ledger.tokens(instance_id), ledger.requests(instance_id))
 
     async def ListInstances(self, request, context) -> admin_pb2.ListInstancesResponse:
-        states = [s for s in self.picker.instances.all() if not request.model or s.info.model == request.model]
+        states = [
+            s for s in self.picker.instances.all() if not request.model or s.info.model == request.model
+        ]
         return admin_pb2.ListInstancesResponse(instances=[self._status(s.info.instance_id) for s in states])
 
     async def _set_drained(self, instance_id: str, drained: bool, context):
@@ -98,14 +103,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return self._status(instance_id)
 
     async def DrainInstance(self, request, context) -> admin_pb2.DrainInstanceResponse:
-        return admin_pb2.DrainInstanceResponse(instance=await self._set_drained(request.instance_id, True, context))
+        return admin_pb2.DrainInstanceResponse(
+            instance=await self._set_drained(request.instance_id, True, context)
+        )
 
     async def UndrainInstance(self, request, context) -> admin_pb2.UndrainInstanceResponse:
         status = await self._set_drained(request.instance_id, False, context)
         return admin_pb2.UndrainInstanceResponse(instance=status)
 
     async def GetConfig(self, request, context) -> admin_pb2.GetConfigResponse:
-        return admin_pb2.GetConfigResponse(yaml=self.config_yaml, path=self.config_path)
+        return admin_pb2.GetConfigResponse(yaml=config_as_yaml(self.mesh), path=self.mesh.path)
 
     async def GetStats(self, request, context) -> admin_pb2.GetStatsResponse:
         ledger = self.picker.ledger

@@ -1,19 +1,21 @@
-"""Wires the node agent process: supervisors, coordinator link, KV event relay, NodeAgent service."""
+"""Wires the node agent process: local services (engines, KV store), coordinator link, KV event relay, the
+NodeAgent service, and systemd notifications."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 
 from node_agent.config import NodeAgentConfig
 from node_agent.coordinator_link import CoordinatorLink
 from node_agent.kv_relay import KvEventRelay
-from node_agent.launch import build_launch
+from node_agent.launch import LaunchError, Placement
 from node_agent.service import NodeAgentService
+from node_agent.services import ServiceError, build_services
 from node_agent.supervisor import EngineState, EngineSupervisor
-from tandem.config import MeshConfig
+from node_agent.systemd import SystemdNotify
+from tandem.config import ConfigError, MeshConfig
 from tandem.grpc_server import GrpcApp
 from tandem.v1 import node_agent_pb2_grpc
 
@@ -21,54 +23,68 @@ log = logging.getLogger(__name__)
 
 
 class NodeAgent:
-    """The engines of one node and the links that report them."""
+    """The services of one node and the links that report them."""
 
-    def __init__(self, config: NodeAgentConfig, coordinator_address: str, conductor_address: str) -> None:
+    def __init__(
+        self,
+        config: NodeAgentConfig,
+        coordinator_address: str,
+        conductor_address: str,
+        placement: Placement | None = None,
+    ) -> None:
         self.config = config
         self.runtime_dir = config.runtime_dir or f"/tmp/tandem-{config.node_id}"
         self.supervisors: dict[str, EngineSupervisor] = {}
-        self.link = CoordinatorLink(coordinator_address, config.node_id, lambda: list(self.supervisors.values()))
+        self.link = CoordinatorLink(coordinator_address, config.node_id, self._engine_supervisors)
         self.relay = KvEventRelay(conductor_address, config.node_id)
-        for engine in config.engines:
-            spec = build_launch(engine, self.runtime_dir)
-            self.supervisors[engine.instance_id] = EngineSupervisor(
-                engine,
-                spec,
-                config.restart,
-                os.path.join(self.runtime_dir, f"{engine.instance_id}.log"),
-                config.probe_interval_s,
-                config.stop_grace_s,
-                self._changed,
-            )
+        self.services = build_services(config, self.runtime_dir, placement or Placement(), self._changed)
+        for service in self.services:
+            for sup in service.supervisors:
+                self.supervisors[sup.name] = sup
         self._relayed: set[str] = set()
         self._tasks: list[asyncio.Task] = []
 
+    def _engine_supervisors(self) -> list[EngineSupervisor]:
+        return [s for s in self.supervisors.values() if s.registrable]
+
     async def _changed(self, sup: EngineSupervisor) -> None:
-        iid = sup.engine.instance_id
-        log.info("engine state", extra={"instance": iid, "state": sup.state.name, "detail": sup.detail})
-        events = sup.spec.kv_events
-        if sup.state is EngineState.RUNNING and events is not None and iid not in self._relayed:
-            self._relayed.add(iid)
-            self.relay.add_source(iid, sup.engine.model, sup.engine.block_size, 0, events.endpoint, events.replay_endpoint)
-        elif sup.state is not EngineState.RUNNING and iid in self._relayed:
-            self._relayed.discard(iid)
-            self.relay.remove_source(iid)
+        name = sup.name
+        log.info("process state", extra={"instance": name, "state": sup.state.name, "detail": sup.detail})
+        if sup.engine is None:
+            return
+        if sup.state is EngineState.RUNNING and sup.spec.kv_events and name not in self._relayed:
+            self._relayed.add(name)
+            for source in sup.spec.kv_events:
+                self.relay.add_source(
+                    sup.spec.events_instance or name, sup.engine.model, sup.engine.block_size, source.dp_rank, source.endpoint,
+                    source.replay_endpoint,
+                )  # fmt: skip
+        elif sup.state is not EngineState.RUNNING and name in self._relayed:
+            self._relayed.discard(name)
+            self.relay.remove_source(sup.spec.events_instance or name)
         await self.link.changed(sup)
 
+    def prepare(self) -> None:
+        """Checks every service before anything starts (ServiceError names what is missing)."""
+        for service in self.services:
+            service.prepare()
+
     async def start(self) -> None:
-        """Launches every engine and the links."""
-        os.makedirs(self.runtime_dir, exist_ok=True)
+        """Launches the services in order (store first) and the links."""
         self._tasks.append(asyncio.create_task(self.link.run()))
         self._tasks.append(asyncio.create_task(self.relay.run()))
-        for sup in self.supervisors.values():
-            log.info("launching engine", extra={"instance": sup.engine.instance_id, "argv": sup.spec.argv})
-            sup.start()
+        for service in self.services:
+            log.info(
+                "launching service", extra={"service": service.name, "processes": len(service.supervisors)}
+            )
+            await service.launch()
 
     async def stop(self) -> None:
-        """Deregisters and stops every engine, then the links."""
+        """Deregisters and stops every engine, then the store, then the links."""
         for iid in list(self.link.registered):
             await self.link.deregister(iid, "agent shutdown")
-        await asyncio.gather(*(sup.stop() for sup in self.supervisors.values()))
+        for service in reversed(self.services):
+            await service.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -78,19 +94,39 @@ class NodeAgent:
         await self.link.close()
 
 
-async def run(mesh: MeshConfig, node_id: str | None) -> None:
+async def run(mesh: MeshConfig, node_id: str | None, placement: Placement | None = None) -> None:
     """Serves one node until SIGTERM."""
     config = mesh.node_agent(node_id)
-    agent = NodeAgent(
-        config,
-        config.coordinator_address or mesh.coordinator.listen,
-        config.conductor_address or mesh.conductor.listen,
-    )
+    try:
+        placement = placement or Placement.from_env()
+        agent = NodeAgent(
+            config,
+            config.coordinator_address or mesh.coordinator.listen,
+            config.conductor_address or mesh.conductor.listen,
+            placement,
+        )
+        agent.prepare()
+    except (LaunchError, ServiceError) as exc:
+        raise ConfigError(f"{mesh.path}: node_agents {config.node_id!r}: {exc}") from None
+    notify = SystemdNotify()
     app = GrpcApp(f"node-agent {config.node_id}", config.listen, config.metrics_listen, grace=2.0)
     app.add_service(
         "tandem.v1.NodeAgent",
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server,
         NodeAgentService(config.node_id, agent.supervisors),
     )
-    app.on_stop(agent.stop)
-    await app.run(agent.start)
+    watchdog: list[asyncio.Task] = []
+
+    async def started() -> None:
+        await agent.start()
+        watchdog.append(asyncio.create_task(notify.watchdog()))
+        notify.ready(f"serving {config.listen}; {len(agent.supervisors)} process(es) supervised")
+
+    async def stopping() -> None:
+        notify.stopping()
+        for task in watchdog:
+            task.cancel()
+        await agent.stop()
+
+    app.on_stop(stopping)
+    await app.run(started)

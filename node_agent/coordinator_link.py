@@ -15,28 +15,49 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from node_agent.config import HANDOFF_CONNECTORS, TRIGGER_CONNECTORS, EngineConfig
 from node_agent.supervisor import EngineState, EngineSupervisor
 from tandem.netaddr import join_host_port
 from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_ROLES = {"hybrid": common_pb2.ROLE_HYBRID, "prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+_ROLES = {
+    "hybrid": common_pb2.ROLE_HYBRID,
+    "prefill": common_pb2.ROLE_PREFILL,
+    "decode": common_pb2.ROLE_DECODE,
+}
+
+
+def dispatch_capability(engine: EngineConfig) -> int:
+    """How requests reach an engine, from its connector: layerwise (decode calls the metaserver back) is trigger,
+    another P/D connector on a prefill or decode engine is handoff, anything else is aggregated."""
+    if engine.role == "hybrid" or not engine.kv_connector:
+        return common_pb2.DISPATCH_CAPABILITY_AGGREGATED
+    if engine.kv_connector in TRIGGER_CONNECTORS:
+        return common_pb2.DISPATCH_CAPABILITY_TRIGGER
+    if engine.kv_connector in HANDOFF_CONNECTORS:
+        return common_pb2.DISPATCH_CAPABILITY_HANDOFF
+    return common_pb2.DISPATCH_CAPABILITY_AGGREGATED
 
 
 def instance_message(sup: EngineSupervisor, node_id: str) -> common_pb2.Instance:
-    """The `Instance` an engine registers as."""
+    """The `Instance` an engine process registers as (a store or headless rank describes itself the same way)."""
     engine = sup.engine
+    if engine is None:
+        return common_pb2.Instance(instance_id=sup.name, node_id=node_id, backend="kv_store")
+    port = sup.spec.port if sup.spec.port is not None else engine.port
     return common_pb2.Instance(
-        instance_id=engine.instance_id,
+        instance_id=sup.name,
         model=engine.model,
-        address=join_host_port(engine.host, engine.port),
+        address=join_host_port(engine.host, port),
         role=_ROLES[engine.role],
-        dispatch_capability=common_pb2.DISPATCH_CAPABILITY_AGGREGATED,
+        dispatch_capability=dispatch_capability(engine),
         node_id=node_id,
         backend=engine.backend,
         block_size=engine.block_size,
-        data_parallel_size=1,
+        data_parallel_size=sup.spec.data_parallel_size,
+        kv_connector=engine.kv_connector or "",
     )
 
 
@@ -46,7 +67,7 @@ def heartbeat_message(sup: EngineSupervisor) -> registry_pb2.HeartbeatRequest:
     if sup.load.sampled_at:
         sampled.FromNanoseconds(int(sup.load.sampled_at * 1e9))
     return registry_pb2.HeartbeatRequest(
-        instance_id=sup.engine.instance_id,
+        instance_id=sup.name,
         health=common_pb2.HEALTH_HEALTHY if sup.healthy else common_pb2.HEALTH_UNHEALTHY,
         load=common_pb2.InstanceLoad(
             running_requests=sup.load.running,
@@ -72,7 +93,9 @@ class CoordinatorLink:
 
     async def changed(self, sup: EngineSupervisor) -> None:
         """Called on every supervisor transition: registers or deregisters at once."""
-        iid = sup.engine.instance_id
+        iid = sup.name
+        if not sup.registrable:
+            return
         if sup.state is EngineState.RUNNING and sup.healthy and iid not in self.registered:
             await self._register(sup)
         elif sup.state is not EngineState.RUNNING and iid in self.registered:
@@ -84,19 +107,24 @@ class CoordinatorLink:
                 registry_pb2.RegisterRequest(instance=instance_message(sup, self.node_id)), timeout=5
             )
         except grpc.aio.AioRpcError as exc:
-            log.warning("register failed, will retry", extra={"instance": sup.engine.instance_id, "error": exc.details()})
+            log.warning(
+                "register failed, will retry",
+                extra={"instance": sup.name, "error": exc.details()},
+            )
             return
-        self.registered.add(sup.engine.instance_id)
+        self.registered.add(sup.name)
         if reply.HasField("heartbeat_interval"):
             self.interval_s = max(0.1, reply.heartbeat_interval.ToMilliseconds() / 1000)
-        log.info("registered with coordinator", extra={"instance": sup.engine.instance_id})
+        log.info("registered with coordinator", extra={"instance": sup.name})
         self._wake.set()
 
     async def deregister(self, instance_id: str, reason: str) -> None:
         """Tells the coordinator an engine is gone (best effort)."""
         self.registered.discard(instance_id)
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await self._stub.Deregister(registry_pb2.DeregisterRequest(instance_id=instance_id, reason=reason), timeout=5)
+            await self._stub.Deregister(
+                registry_pb2.DeregisterRequest(instance_id=instance_id, reason=reason), timeout=5
+            )
 
     async def run(self) -> None:
         """Reconcile and heartbeat until cancelled."""
@@ -128,7 +156,9 @@ class CoordinatorLink:
         try:
             while not reader.done():
                 for sup in self.supervisors():
-                    iid = sup.engine.instance_id
+                    if not sup.registrable:
+                        continue
+                    iid = sup.name
                     if sup.state is EngineState.RUNNING and sup.healthy and iid not in self.registered:
                         await self._register(sup)
                     if iid in self.registered and not outbox.full():

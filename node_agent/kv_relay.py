@@ -9,7 +9,8 @@ the conductor. One `Ingest` stream carries every rank of the node:
   forwards the batches marked `replayed`, then `ReplayDone{recovered}`;
 - when the stream breaks (conductor restart), the relay reconnects with exponential backoff and, on every new
   stream, replays each rank from sequence 0 (the engine sends what it still buffers), so a restarted conductor
-  rebuilds its index without restarting engines;
+  rebuilds its index without restarting engines; a rank added while the stream is up is replayed from 0 too, so
+  what it published before the subscription took effect is not lost;
 - while a rank replays, its live batches are held (bounded) and released after the replay, so the conductor sees
   the rank's batches in order.
 
@@ -76,6 +77,7 @@ class _Source:
     holding: bool = False  # a replay runs: live batches go to `held`
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one replay at a time
     task: asyncio.Task | None = None  # the SUB reader
+    replays: set = field(default_factory=set)  # replay tasks running for this rank
 
 
 class KvEventRelay:
@@ -126,12 +128,19 @@ class KvEventRelay:
         """Starts relaying one engine DP rank (`endpoint` is its PUB socket, already +dp_rank)."""
         key = (instance_id, dp_rank)
         old = self.sources.pop(key, None)
-        if old is not None and old.task is not None:
-            old.task.cancel()
+        if old is not None:
+            for t in [old.task, *old.replays]:
+                if t is not None:
+                    t.cancel()
         src = _Source(instance_id, model, block_size, dp_rank, endpoint, replay_endpoint)
         self.sources[key] = src
         if self._running:
             src.task = self._spawn(self._read_live(src))
+        if self.connected.is_set() and replay_endpoint:
+            # what the engine published before our subscription took effect (ZMQ slow joiner) comes from its
+            # replay buffer; live batches wait meanwhile
+            src.holding = True
+            self._spawn_replay(src, 0, announce=False)
 
     def remove_source(self, instance_id: str) -> None:
         """Stops relaying every rank of an instance and tells the conductor (`InstanceGone`)."""
@@ -139,6 +148,8 @@ class KvEventRelay:
             src = self.sources.pop(key)
             if src.task is not None:
                 src.task.cancel()
+            for t in src.replays:  # nothing of the instance may follow InstanceGone
+                t.cancel()
         self._send(
             conductor_pb2.IngestRequest(instance_gone=conductor_pb2.InstanceGone(instance_id=instance_id))
         )
@@ -160,6 +171,8 @@ class KvEventRelay:
                 log.warning(
                     "conductor stream broke", extra={"conductor": self.conductor_address, "err": str(exc)}
                 )
+            except Exception:  # never give up relaying: log, back off, reconnect
+                log.exception("conductor stream failed", extra={"conductor": self.conductor_address})
             finally:
                 self.connected.clear()
             if self._closed.is_set():
@@ -245,6 +258,8 @@ class KvEventRelay:
         t = self._spawn(self._replay(src, from_seq, announce))
         self._replaying.add(t)
         t.add_done_callback(self._replaying.discard)
+        src.replays.add(t)
+        t.add_done_callback(src.replays.discard)
 
     async def _requests(self):
         while True:
@@ -275,11 +290,12 @@ class KvEventRelay:
     ) -> conductor_pb2.IngestRequest | None:
         try:
             batch = decode_batch(payload)
-        except KvEventDecodeError as exc:
+            pb = batch_to_pb(batch, src.instance_id, src.dp_rank, seq, src.model, src.block_size, replayed)
+        except (KvEventDecodeError, OverflowError, TypeError, ValueError) as exc:
+            # the batch is skipped: the conductor sees the sequence gap, and clears the rank if a replay fails too
             self.decode_errors += 1
             log.warning("undecodable KV event batch", extra={"instance_id": src.instance_id, "err": str(exc)})
             return None
-        pb = batch_to_pb(batch, src.instance_id, src.dp_rank, seq, src.model, src.block_size, replayed)
         return conductor_pb2.IngestRequest(batch=pb)
 
     async def _read_live(self, src: _Source) -> None:

@@ -1,4 +1,4 @@
-"""The NodeAgent gRPC service: status, launch and stop of this node's engines."""
+"""The NodeAgent gRPC service: status, launch, stop and drain of this node's processes."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ _STATES = {
     EngineState.BACKOFF: node_agent_pb2.ENGINE_STATE_BACKOFF,
     EngineState.STOPPED: node_agent_pb2.ENGINE_STATE_STOPPED,
     EngineState.FAILED: node_agent_pb2.ENGINE_STATE_FAILED,
+    EngineState.DRAINING: node_agent_pb2.ENGINE_STATE_DRAINING,
 }
 
 
 def engine_status(sup: EngineSupervisor, node_id: str) -> node_agent_pb2.EngineStatus:
-    """What the agent reports about one engine."""
+    """What the agent reports about one process."""
     running = sup.process is not None and sup.process.returncode is None
-    started = Timestamp()
     status = node_agent_pb2.EngineStatus(
         instance=instance_message(sup, node_id),
         state=_STATES[sup.state],
@@ -33,13 +33,14 @@ def engine_status(sup: EngineSupervisor, node_id: str) -> node_agent_pb2.EngineS
     if sup.last_exit_code is not None:
         status.last_exit_code = sup.last_exit_code
     if running and sup.started_wall:
+        started = Timestamp()
         started.FromNanoseconds(int(sup.started_wall * 1e9))
         status.started_at.CopyFrom(started)
     return status
 
 
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
-    """Operator access to this node's engines."""
+    """Operator access to this node's engines (and KV store)."""
 
     def __init__(self, node_id: str, supervisors: dict[str, EngineSupervisor]) -> None:
         self.node_id = node_id
@@ -49,7 +50,9 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         sup = self.supervisors.get(instance_id)
         if sup is None:
             known = ", ".join(self.supervisors) or "none"
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no engine {instance_id!r} on this node (known: {known})")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no engine {instance_id!r} on this node (known: {known})"
+            )
         return sup
 
     async def GetStatus(self, request, context) -> node_agent_pb2.GetStatusResponse:
@@ -67,8 +70,21 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         return node_agent_pb2.StopResponse(engine=engine_status(sup, self.node_id))
 
     async def Drain(self, request, context) -> node_agent_pb2.DrainResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "NodeAgent.Drain is not implemented yet (engine supervision issue); use Admin/DrainInstance on the "
-            "coordinator to stop routing to an instance, then NodeAgent/Stop",
-        )
+        """Deregisters the engine (no new requests), waits for its requests in flight (`vllm:num_requests_running`
+        + `waiting` from /metrics) up to the engine's `drain_timeout_s` or the call's deadline, then stops it."""
+        sup = await self._find(request.instance_id, context)
+        if not sup.registrable:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{request.instance_id!r} serves no requests (headless rank or store): use Stop",
+            )
+        if sup.state is EngineState.DRAINING:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{request.instance_id!r} is already draining"
+            )
+        timeout = sup.engine.drain_timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = max(0.0, min(timeout, remaining - sup.stop_grace_s - 1.0))
+        await sup.drain(timeout)
+        return node_agent_pb2.DrainResponse(engine=engine_status(sup, self.node_id))

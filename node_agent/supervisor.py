@@ -1,7 +1,11 @@
-"""Supervision of one engine process: launch, health, load scraping, restart with backoff, stop.
+"""Supervision of one process (an engine API server or rank, or the KV store): launch, health, load scraping,
+restart with backoff, drain, stop.
 
 State machine: STARTING -> RUNNING -> (exit) BACKOFF -> STARTING ... -> FAILED after a crash loop;
-STOPPED on request. Every transition is reported to the agent through `on_change`.
+RUNNING -> DRAINING -> STOPPED on `drain()`; STOPPED on request. Every transition is reported through `on_change`.
+
+Health: HTTP `/health` for a process with a port; a TCP connect for a store with a health address; the process
+being alive for a headless rank.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent.config import EngineConfig, RestartPolicy
 from node_agent.launch import LaunchSpec
+from tandem.netaddr import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ class EngineState(enum.Enum):
     BACKOFF = 3
     STOPPED = 4
     FAILED = 5
+    DRAINING = 6
 
 
 @dataclass(slots=True)
@@ -74,21 +80,35 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass(slots=True)
+class DrainResult:
+    """How a drain ended."""
+
+    drained: bool  # True when no request was left in flight; False on timeout
+    in_flight: int  # requests running + waiting at the end
+    waited_s: float
+
+
 class EngineSupervisor:
-    """Runs and watches one engine until `stop()`."""
+    """Runs and watches one process until `stop()`."""
 
     def __init__(
         self,
-        engine: EngineConfig,
+        engine: EngineConfig | None,
         spec: LaunchSpec,
         policy: RestartPolicy,
         log_path: str,
         probe_interval_s: float,
         stop_grace_s: float,
         on_change: Callable[[EngineSupervisor], Awaitable[None]],
+        health_timeout_s: float | None = None,
+        tcp_health: str | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # None for a service that is not an engine (the KV store)
         self.spec = spec
+        self.name = spec.name
+        self.health_timeout_s = health_timeout_s or (engine.health_timeout_s if engine else 60.0)
+        self.tcp_health = tcp_health  # host:port that accepts connections once the process is up
         self.policy = policy
         self.log_path = log_path
         self.probe_interval_s = probe_interval_s
@@ -109,18 +129,29 @@ class EngineSupervisor:
 
     @property
     def base_url(self) -> str:
-        """The engine's HTTP root."""
-        host = f"[{self.engine.host}]" if ":" in self.engine.host else self.engine.host
-        return f"http://{host}:{self.engine.port}"
+        """The engine's HTTP root (empty for a process without an API server)."""
+        if self.engine is None or self.spec.port is None:
+            return ""
+        return f"http://{join_host_port(self.engine.host, self.spec.port)}"
+
+    @property
+    def registrable(self) -> bool:
+        """True for an engine API server, which the coordinator routes to."""
+        return self.engine is not None and self.spec.port is not None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running or waiting in the engine, from the last `/metrics` scrape."""
+        return self.load.running + self.load.waiting
 
     def start(self) -> None:
         """Starts supervising (launches the engine); a no-op while already supervised."""
         if self._task is None or self._task.done():
             self._stopping = False
             self.consecutive_failures = 0
-            self._task = asyncio.create_task(self._supervise(), name=f"engine-{self.engine.instance_id}")
+            self._task = asyncio.create_task(self._supervise(), name=f"engine-{self.name}")
 
-    async def stop(self) -> None:
+    async def stop(self, detail: str = "stopped on request") -> None:
         """Stops the engine (SIGTERM, SIGKILL after the grace period) and supervision."""
         self._stopping = True
         await self._terminate()
@@ -128,7 +159,47 @@ class EngineSupervisor:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._set(EngineState.STOPPED, "stopped on request")
+        await self._set(EngineState.STOPPED, detail)
+
+    async def drain(self, timeout_s: float, settle_s: float = 0.5) -> DrainResult:
+        """Takes no new requests (DRAINING: `on_change` deregisters it), waits until the engine's
+        `vllm:num_requests_running` + `vllm:num_requests_waiting` reach zero on two reads `settle_s` apart (a request
+        routed just before the deregistration may still be on its way), or `timeout_s`, then stops the engine."""
+        started = time.monotonic()
+        if self.state is not EngineState.RUNNING:
+            await self.stop(f"drain: was {self.state.name.lower()}, stopped")
+            return DrainResult(True, 0, 0.0)
+        self._stopping = True  # an exit while draining is final, not restarted
+        await self._set(
+            EngineState.DRAINING, f"draining, waiting up to {timeout_s:g}s for requests in flight"
+        )
+        zero_since: float | None = None
+        in_flight = self.in_flight
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while time.monotonic() - started < timeout_s:
+                if self.process is None or self.process.returncode is not None:
+                    in_flight = 0
+                    break
+                await self._scrape(http)
+                in_flight = self.in_flight
+                now = time.monotonic()
+                if in_flight == 0:
+                    zero_since = now if zero_since is None else zero_since
+                    if now - zero_since >= settle_s:
+                        break
+                else:
+                    zero_since = None
+                await asyncio.sleep(min(0.2, settle_s / 2))
+        waited = time.monotonic() - started
+        drained = in_flight == 0
+        detail = (
+            f"drained in {waited:.1f}s, stopped"
+            if drained
+            else f"drain timed out after {waited:.1f}s with {in_flight} request(s) in flight, stopped"
+        )
+        log.info("engine drained", extra={**self._log_fields(), "drained": drained, "in_flight": in_flight})
+        await self.stop(detail)
+        return DrainResult(drained, in_flight, waited)
 
     async def _set(self, state: EngineState, detail: str = "") -> None:
         changed = state != self.state or detail != self.detail
@@ -146,7 +217,9 @@ class EngineSupervisor:
                     return
                 self.last_exit_code = code
                 ran_for = time.monotonic() - self.started_at
-                self.consecutive_failures = 1 if ran_for >= self.policy.stable_after_s else self.consecutive_failures + 1
+                self.consecutive_failures = (
+                    1 if ran_for >= self.policy.stable_after_s else self.consecutive_failures + 1
+                )
                 if self.consecutive_failures >= self.policy.max_consecutive_failures:
                     await self._set(
                         EngineState.FAILED,
@@ -179,12 +252,12 @@ class EngineSupervisor:
         log.info("engine launched", extra={**self._log_fields(), "pid": self.process.pid})
         exited = asyncio.create_task(self.process.wait())
         try:
-            deadline = time.monotonic() + self.engine.health_timeout_s
+            deadline = time.monotonic() + self.health_timeout_s
             while not await self._probe(http):
                 if exited.done():
                     return exited.result()
                 if time.monotonic() > deadline:
-                    self.detail = f"no /health after {self.engine.health_timeout_s:g}s"
+                    self.detail = f"not healthy after {self.health_timeout_s:g}s"
                     await self._terminate()
                     return await exited
                 await asyncio.sleep(0.1)
@@ -195,7 +268,7 @@ class EngineSupervisor:
                 if exited.done():
                     break
                 healthy = await self._probe(http)
-                if healthy:
+                if healthy and self.base_url:
                     await self._scrape(http)
                 if healthy != self.healthy:
                     self.healthy = healthy
@@ -207,10 +280,14 @@ class EngineSupervisor:
                 exited.cancel()
 
     async def _probe(self, http: aiohttp.ClientSession) -> bool:
+        if self.tcp_health is not None:
+            return await _tcp_open(self.tcp_health)
+        if not self.base_url:  # headless rank: alive is healthy
+            return self.process is not None and self.process.returncode is None
         try:
             async with http.get(f"{self.base_url}/health") as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def _scrape(self, http: aiohttp.ClientSession) -> None:
@@ -218,7 +295,7 @@ class EngineSupervisor:
             async with http.get(f"{self.base_url}/metrics") as resp:
                 if resp.status == 200:
                     self.load = parse_load(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             pass
 
     async def _terminate(self) -> None:
@@ -229,10 +306,22 @@ class EngineSupervisor:
             proc.terminate()
         try:
             await asyncio.wait_for(proc.wait(), self.stop_grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
 
     def _log_fields(self) -> dict[str, object]:
-        return {"instance": self.engine.instance_id, "restarts": self.restarts, "exit_code": self.last_exit_code}
+        return {"instance": self.name, "restarts": self.restarts, "exit_code": self.last_exit_code}
+
+
+async def _tcp_open(address: str) -> bool:
+    host, port = split_host_port(address)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True

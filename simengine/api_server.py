@@ -74,7 +74,7 @@ class EngineServer:
         return await self.serving.handle(request, "chat.completions")
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=200 if self.engine.is_alive else 503)
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response({"version": VERSION})

@@ -12,7 +12,8 @@ from simengine.profiles import PROFILES
 
 HANDOFF_CONNECTORS = ("NixlConnector", "MooncakeConnector", "MooncakeConnectorV1", "P2pNcclConnector")
 TRIGGER_CONNECTORS = ("MooncakeLayerwiseConnector",)
-LOCAL_CONNECTORS = ("ExampleConnector", "SharedStorageConnector", "OffloadingConnector", "LMCacheConnectorV1")
+STORAGE_CONNECTORS = ("ExampleConnector", "SharedStorageConnector")
+LOCAL_CONNECTORS = ("OffloadingConnector", "LMCacheConnectorV1")
 
 
 @dataclass(slots=True)
@@ -44,18 +45,21 @@ class KVTransferConfig:
             raise ValueError("--kv-transfer-config: kv_role is required with kv_connector")
         if (
             cfg.kv_connector
-            and cfg.kv_connector not in HANDOFF_CONNECTORS + TRIGGER_CONNECTORS + LOCAL_CONNECTORS
+            and cfg.kv_connector
+            not in HANDOFF_CONNECTORS + TRIGGER_CONNECTORS + STORAGE_CONNECTORS + LOCAL_CONNECTORS
         ):
             raise ValueError(f"--kv-transfer-config: unsupported kv_connector {cfg.kv_connector!r}")
         return cfg
 
     @property
     def mode(self) -> str | None:
-        """The P/D mode: "handoff", "trigger" or None (no P/D)."""
+        """The P/D mode: "handoff", "trigger", "storage" (ExampleConnector's shared directory) or None."""
         if self.kv_connector in HANDOFF_CONNECTORS:
             return "handoff"
         if self.kv_connector in TRIGGER_CONNECTORS:
             return "trigger"
+        if self.kv_connector in STORAGE_CONNECTORS:
+            return "storage"
         return None
 
     @property
@@ -134,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--disable-uvicorn-access-log", action="store_true", help="accepted and ignored")
     v.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="accepted and ignored")
     v.add_argument("--trust-remote-code", action="store_true", help="accepted and ignored")
+    for flag in ("--disable-log-stats", "--enable-request-id-headers", "--enable-server-load-tracking"):
+        v.add_argument(flag, action="store_true", help="accepted and ignored")
+    v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="accepted; chunked prefill is always on")  # fmt: skip
+    for flag in ("--dtype", "--seed", "--swap-space", "--uvicorn-log-level", "--pipeline-parallel-size",
+                 "--prefill-context-parallel-size", "--data-parallel-size-local", "--data-parallel-address",
+                 "--data-parallel-rpc-port", "--data-parallel-start-rank", "--kv-cache-dtype", "--quantization",
+                 "--load-format", "--additional-config", "--compilation-config"):  # fmt: skip
+        v.add_argument(flag, default=None, metavar="VALUE", help="accepted and ignored")
 
     s = p.add_argument_group("simulator options")
     s.add_argument("--profile", choices=sorted(PROFILES), default="ascend-910b", help="timing profile")

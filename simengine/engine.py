@@ -71,6 +71,17 @@ class Engine:
             self.metrics.success["abort"].inc()
             self._wake.set()
 
+    def stop_request(self, request: Request, stop: str) -> None:
+        """Ends a request whose text reached a stop string (the serving layer detects those, as vLLM's
+        detokenizer does)."""
+        request.finish_reason = "stop"
+        request.stop_reason = stop
+        if not request.is_finished:
+            self.scheduler.abort(request, Status.FINISHED_STOPPED)
+            self.metrics.success["stop"].inc()
+            self._finish_metrics(request, time.monotonic(), count_success=False)
+            self._wake.set()
+
     def fail(self, request: Request, message: str) -> None:
         """Ends a request with an error (P/D timeouts); its output callback sees it finished."""
         if request.is_finished:
@@ -91,6 +102,15 @@ class Engine:
             self.kv.reset()  # AllBlocksCleared at start, as a reset marker for indexers
             self._publish()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("engine loop died; /health answers 503", exc_info=task.exception())
+
+    @property
+    def is_alive(self) -> bool:
+        return self._task is not None and not self._task.done()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -191,9 +211,10 @@ class Engine:
             if cb is not None:
                 cb(req, req.output_token_ids[-1:], finished)
 
-    def _finish_metrics(self, req: Request, now: float) -> None:
+    def _finish_metrics(self, req: Request, now: float, count_success: bool = True) -> None:
         m = self.metrics
-        m.success[req.finish_reason or "stop"].inc()
+        if count_success:
+            m.success[req.finish_reason or "stop"].inc()
         m.e2e.observe(now - req.arrival_time)
         n = len(req.output_token_ids)
         if n > 1:

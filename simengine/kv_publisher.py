@@ -1,8 +1,9 @@
 """Publishes KV events on ZMQ exactly as vLLM's `ZmqEventPublisher` does (vllm/distributed/kv_events.py).
 
 - PUB socket; binds when the endpoint has `*` or `::` or is `ipc://` / `inproc://`, connects otherwise.
-- Per DP rank, tcp ports are offset by the rank, inproc names get `_dp<rank>`; vLLM rejects ipc endpoints for
-  ranks > 0, the simulator suffixes them like inproc (a documented extension).
+- Per DP rank, tcp ports are offset by the rank and inproc names get `_dp<rank>`. vLLM raises ValueError for an
+  ipc endpoint at rank > 0; the simulator (one process per rank) uses the ipc path as given, so a launcher that
+  names one ipc path per process (as Tandem's node agent does) works.
 - Live message: 3 frames (topic, 8-byte big-endian sequence, msgpack batch `[ts, [events], dp_rank]`).
 - Events are maps tagged `"type"` with defaulted fields omitted (current vLLM), or tagged positional arrays
   with the legacy flag (vLLM <= 0.23 style).
@@ -46,6 +47,8 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    #: Accepted (newer vLLM): offload events carry token ids. The simulator's events always do.
+    self_describing_kv_events: bool = False
 
     @classmethod
     def from_json(cls, raw: dict) -> KVEventsConfig:
@@ -66,11 +69,13 @@ class KVEventsConfig:
 
 
 def offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
-    """The endpoint of DP rank `dp_rank` (vLLM's `offset_endpoint_port`, plus ipc suffixing)."""
+    """The endpoint of DP rank `dp_rank` (vLLM's `offset_endpoint_port`; ipc paths are kept as given)."""
     if not endpoint or dp_rank == 0:
         return endpoint
-    if endpoint.startswith(("inproc://", "ipc://")):
+    if endpoint.startswith("inproc://"):
         return f"{endpoint}_dp{dp_rank}"
+    if endpoint.startswith("ipc://"):
+        return endpoint
     if endpoint.startswith("tcp://"):
         base, _, port = endpoint.rpartition(":")
         return f"{base}:{int(port) + dp_rank}"

@@ -160,7 +160,10 @@ class OpenAIServing:
                 seq = _Seq(req, p_idx * params.n + j)
                 req.user = (seq, group)
                 if self.connector is not None:
-                    self.connector.prepare(req, params.kv_transfer_params, callback_id)
+                    kv_params = params.kv_transfer_params
+                    if params.batch_kv_transfer_params and callback_id in params.batch_kv_transfer_params:
+                        kv_params = params.batch_kv_transfer_params[callback_id]
+                    self.connector.prepare(req, kv_params, callback_id)
                 group.seqs.append(seq)
         return group
 
@@ -178,6 +181,8 @@ class OpenAIServing:
         finally:
             for seq in group.seqs:
                 self.engine.abort(seq.req)
+                if self.connector is not None:
+                    self.connector.finished(seq.req)
 
     async def _wait(self, group: _Group) -> None:
         """Sleeps until the engine delivers output to any sequence of the group. The engine runs on this thread,
@@ -192,14 +197,14 @@ class OpenAIServing:
         if not stops:
             return tokens, None
         text = seq.held + self.text_of(tokens)
-        for stop in stops:
+        # As vLLM, stop strings count only once min_tokens have been generated.
+        active = len(seq.req.output_token_ids) > seq.req.params.min_tokens
+        for stop in stops if active else ():
             pos = text.find(stop)
             if pos >= 0:
                 seq.held = text[:pos]
                 seq.finished = True
-                seq.req.finish_reason = "stop"
-                seq.req.stop_reason = stop
-                self.engine.abort(seq.req)
+                self.engine.stop_request(seq.req, stop)
                 return tokens, stop
         keep = max(len(s) for s in stops) - 1
         seq.held = text[len(text) - keep :] if keep and len(text) > keep else ("" if not keep else text)

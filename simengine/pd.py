@@ -11,6 +11,10 @@ callback body to the `metaserver` URL (3 tries) and waits for a prefill engine t
 `remote_host:remote_port`; the prefill engine, given those facts as its `kv_transfer_params`, pushes after its
 prefill. The decode request fails with a clear error when nothing arrives in time.
 
+Storage (ExampleConnector, vLLM's CPU-friendly P/D): a producer writes every finished prompt's KV (a file sized
+from its block count) under `kv_connector_extra_config.shared_storage_path`, keyed by its block-aligned prompt
+tokens; a consumer that finds the file for a new request's prompt loads it instead of computing those tokens.
+
 Wire of the KV listener (one TCP connection per transfer): a JSON header line, then `nbytes` raw bytes.
 `{"op":"pull","remote_request_id":..}` -> `{"ok":true,"num_tokens":N,"nbytes":B}\\n` + B bytes;
 `{"op":"push","request_id":..,"num_tokens":N,"nbytes":B}\\n` + B bytes -> `{"ok":true}\\n`.
@@ -19,9 +23,12 @@ Wire of the KV listener (one TCP connection per transfer): a JSON header line, t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import os
 import uuid
+from array import array
 from typing import Any
 
 import aiohttp
@@ -34,6 +41,11 @@ log = logging.getLogger("simengine.pd")
 
 _CHUNK = b"\0" * 65536
 _HELD_TIMEOUT_S = 120.0
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
 
 
 def _flat_block_ids(value: Any) -> list[int] | None:
@@ -64,8 +76,13 @@ class KVConnector:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         engine.on_remote_kv = self._start_loads
+        extra = self.kt.kv_connector_extra_config
+        self.storage_path = str(extra.get("shared_storage_path") or "/tmp/simengine-kv-storage")
 
     async def start(self) -> None:
+        if self.mode == "storage":
+            os.makedirs(self.storage_path, exist_ok=True)
+            return
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
@@ -87,6 +104,10 @@ class KVConnector:
 
     def prepare(self, request: Request, params: dict | None, callback_id: str) -> None:
         """Decides what P/D does for a request given its `kv_transfer_params` (None: nothing)."""
+        if self.mode == "storage":
+            if self.kt.is_consumer and os.path.exists(self._storage_file(request)):
+                request.needs_remote_kv = True
+            return
         if not params or not isinstance(params, dict):
             return
         request.kv_transfer_params = params
@@ -99,7 +120,8 @@ class KVConnector:
                 request.pd_callback_id = callback_id
                 return
             if self._valid_handoff(params):
-                request.needs_remote_kv = True
+                # As vLLM: no full block on the prefill side means nothing to pull; compute here, no fallback.
+                request.needs_remote_kv = bool(_flat_block_ids(params.get("remote_block_ids")))
                 return
             log.warning("invalid kv_transfer_params for a remote prefill; computing the prompt locally")
             self.metrics.kv_transfer_fallbacks.inc()
@@ -123,12 +145,17 @@ class KVConnector:
             return None
         if params.get("remote_host") is not None:  # trigger prefill leg: it pushed, nothing to hand back
             return None
-        self._spawn(self._expire_held(request.request_id))
         bs = self.cfg.block_size
+        # Only full prompt blocks are sent (vLLM's `computed_block_ids`); the decode engine computes the rest.
+        full = request.block_ids[: request.num_prompt_tokens // bs]
+        if full:
+            self.release_later(request)
+        else:
+            self.engine.scheduler.release_held(request.request_id)
         out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [list(request.block_ids)],
+            "remote_block_ids": [list(full)],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.host,
@@ -141,10 +168,68 @@ class KVConnector:
                 remote_dcp_size=1,
                 remote_ptp_size=self.cfg.tp_size,
                 last_token_id=request.output_token_ids[-1] if request.output_token_ids else None,
+                remote_multi_nodes_meta_mapping=None,
                 num_prompt_blocks=-(-request.num_prompt_tokens // bs),
                 remote_block_size=bs,
             )
         return out
+
+    # -- shared storage (ExampleConnector) ----------------------------------------------------------------------
+
+    def _storage_tokens(self, request: Request) -> int:
+        """Prompt tokens the storage holds for a request: block-aligned, leaving at least one to compute."""
+        bs = self.cfg.block_size
+        return (request.num_prompt_tokens - 1) // bs * bs
+
+    def _storage_file(self, request: Request) -> str:
+        tokens = request.prompt_token_ids[: self._storage_tokens(request)]
+        key = hashlib.sha256(array("q", tokens).tobytes()).hexdigest()[:32]
+        return os.path.join(self.storage_path, f"{key}.kv")
+
+    def _save_storage(self, request: Request) -> None:
+        num = self._storage_tokens(request)
+        if num <= 0 or not request.output_token_ids:
+            return
+        path = self._storage_file(request)
+        if os.path.exists(path):
+            return
+        nbytes = num // self.cfg.block_size * self.cfg.kv_bytes_per_block
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(bytes(nbytes))
+        os.replace(tmp, path)  # atomic: a reader never sees a partial file
+        self.metrics.kv_transfer_bytes.inc(nbytes)
+
+    async def _load_storage(self, req: Request) -> None:
+        try:
+            data = await asyncio.to_thread(_read_file, self._storage_file(req))
+            self.metrics.kv_transfer_bytes.inc(len(data))
+            tokens = self._storage_tokens(req)
+            await asyncio.sleep(self.engine.profile.transfer_s(tokens) / self.cfg.speedup)
+            if not req.is_finished:
+                self._done(req, True, tokens)
+        except OSError as e:
+            log.warning("KV load from %s failed (%s); computing the prompt locally", self.storage_path, e)
+            self.metrics.kv_transfer_failures.inc()
+            self.metrics.kv_transfer_fallbacks.inc()
+            self._done(req, False)
+
+    def finished(self, request: Request) -> None:
+        """Called by the serving layer when a request's response is done (whatever its outcome)."""
+        if self.mode == "storage":
+            if self.kt.is_producer:
+                try:
+                    self._save_storage(request)
+                except OSError as e:
+                    log.warning("KV save to %s failed: %s", self.storage_path, e)
+            return
+        self.release_later(request)
+
+    def release_later(self, request: Request) -> None:
+        """Frees a finished request's held blocks if no decode engine pulls them in time (once per request)."""
+        if request.hold_blocks_for_remote and request.request_id in self.engine.scheduler.held:
+            request.hold_blocks_for_remote = False
+            self._spawn(self._expire_held(request.request_id))
 
     async def _expire_held(self, request_id: str) -> None:
         await asyncio.sleep(_HELD_TIMEOUT_S)
@@ -158,7 +243,9 @@ class KVConnector:
     def _start_loads(self, requests: list[Request]) -> None:
         for req in requests:
             params = req.kv_transfer_params or {}
-            if self.mode == "trigger" and params.get("metaserver"):
+            if self.mode == "storage":
+                self._spawn(self._load_storage(req))
+            elif self.mode == "trigger" and params.get("metaserver"):
                 self._spawn(self._trigger(req, params))
             else:
                 self._spawn(self._pull(req, params))
@@ -166,6 +253,7 @@ class KVConnector:
     def _done(self, req: Request, ok: bool, tokens: int = 0) -> None:
         req.remote_kv_done = True
         req.remote_kv_ok = ok
+        req.num_remote_tokens = tokens
         if ok:
             self.metrics.kv_transfer_tokens.inc(tokens)
         self.engine.wake()
@@ -299,8 +387,9 @@ class KVConnector:
                 if req is None:
                     writer.write(b'{"ok":false,"error":"unknown or expired remote_request_id"}\n')
                     return
-                nbytes = max(len(req.block_ids), 1) * self.cfg.kv_bytes_per_block
-                reply = {"ok": True, "num_tokens": req.num_prompt_tokens, "nbytes": nbytes}
+                num_blocks = req.num_prompt_tokens // self.cfg.block_size
+                nbytes = max(num_blocks, 1) * self.cfg.kv_bytes_per_block
+                reply = {"ok": True, "num_tokens": num_blocks * self.cfg.block_size, "nbytes": nbytes}
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await self._write_bytes(writer, nbytes)
                 self.engine.scheduler.release_held(req.request_id)

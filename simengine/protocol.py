@@ -83,6 +83,8 @@ class Params(msgspec.Struct):
     top_k: int | None
     seed: int | None
     kv_transfer_params: dict | None
+    #: Multi-prompt trigger legs: {callback request id: kv_transfer_params} (vLLM-Ascend's proxy sends it).
+    batch_kv_transfer_params: dict | None
 
 
 def parse_params(body: dict, chat: bool) -> Params:
@@ -143,4 +145,7 @@ def parse_params(body: dict, chat: bool) -> Params:
         top_k=top_k,
         seed=seed,
         kv_transfer_params=ktp,
+        batch_kv_transfer_params=batch
+        if isinstance(batch := body.get("batch_kv_transfer_params"), dict)
+        else None,
     )

@@ -68,6 +68,8 @@ class Request:
     needs_remote_kv: bool = False
     remote_kv_done: bool = False
     remote_kv_ok: bool = False
+    #: Leading prompt tokens whose KV the remote engine delivered (full blocks; the rest is computed here).
+    num_remote_tokens: int = 0
     #: Prefill side (handoff): keep blocks after finishing until the decode engine pulled them.
     hold_blocks_for_remote: bool = False
     num_external_tokens: int = 0

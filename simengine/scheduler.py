@@ -108,10 +108,13 @@ class Scheduler:
                 continue
             self.remote_waiting.remove(req)
             if req.remote_kv_ok:
-                # The whole prompt's KV is here; the last prompt token is recomputed to sample the first token.
-                req.num_external_tokens = max(req.num_prompt_tokens - 1 - req.num_computed_tokens, 0)
+                # The delivered prefix is here; what is left (at least the last prompt token, whose logits give the
+                # first output token) is computed locally.
+                computed = min(max(req.num_computed_tokens, req.num_remote_tokens), req.num_prompt_tokens - 1)
+                req.num_external_tokens = computed - req.num_computed_tokens
                 self.stats.external_kv_transfer += req.num_external_tokens
-                req.num_computed_tokens = req.num_prompt_tokens - 1
+                req.num_computed_tokens = computed
+                req.needs_remote_kv = False  # a later preemption recomputes locally
                 req.status = Status.RUNNING
                 self.running.append(req)
             else:  # fall back to computing the prompt here

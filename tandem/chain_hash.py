@@ -31,8 +31,10 @@ def lora_root(lora_name: str | None) -> int:
     return ROOT_SEED if not lora_name else _xxh3(lora_name.encode())
 
 
-def token_bytes(token_ids: list[int] | array) -> bytes:
-    """Token ids as contiguous little-endian uint32 bytes (the input of the hash)."""
+def token_bytes(token_ids: list[int] | array | bytes) -> bytes:
+    """Token ids as contiguous little-endian uint32 bytes (the input of the hash); bytes pass through."""
+    if isinstance(token_ids, bytes):
+        return token_ids
     arr = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
     if _BIG_ENDIAN:  # pragma: no cover - little-endian everywhere we run
         arr = array("I", arr)
@@ -40,14 +42,18 @@ def token_bytes(token_ids: list[int] | array) -> bytes:
     return arr.tobytes()
 
 
-def chain_hashes(token_ids: list[int] | array, block_size: int, parent: int | None = None) -> list[int]:
+def chain_hashes(
+    token_ids: list[int] | array | bytes, block_size: int, parent: int | None = None
+) -> list[int]:
     """Hashes of the full blocks of `token_ids`, in order, chained from `parent` (a chain hash) or the root.
 
-    A trailing partial block is ignored. `block_size` must be positive.
+    `token_ids` may also be `token_bytes(...)` (little-endian uint32). A trailing partial block is ignored.
+    `block_size` must be positive.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    n_blocks = len(token_ids) // block_size
+    n_tokens = len(token_ids) // 4 if isinstance(token_ids, bytes) else len(token_ids)
+    n_blocks = n_tokens // block_size
     if n_blocks == 0:
         return []
     buf = memoryview(token_bytes(token_ids))

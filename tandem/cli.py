@@ -10,13 +10,17 @@ from tandem.version import __version__
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: a gRPC-first service mesh for LLM serving.")
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Tandem: a gRPC-first service mesh for LLM serving."
+    )
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="run the whole mesh on this machine (Ctrl-C stops it)")
     p_up.add_argument("--config", required=True, help="mesh config file (YAML)")
     p_up.add_argument("--run-dir", default="run", help="where logs and generated files go (default ./run)")
-    p_up.add_argument("--engine-timeout", type=float, default=120.0, help="seconds to wait for engines at start")
+    p_up.add_argument(
+        "--engine-timeout", type=float, default=120.0, help="seconds to wait for engines at start"
+    )
     p_envoy = sub.add_parser("envoy-config", help="print the Envoy bootstrap generated from a mesh config")
     p_envoy.add_argument("--config", required=True)
     for name, help_text in (("coordinator", "run the coordinator"), ("conductor", "run the conductor")):

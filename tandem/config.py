@@ -79,7 +79,9 @@ class MeshConfig(BaseModel):
         """The agent section for `node_id`; the only one when `node_id` is None."""
         if node_id is None:
             if len(self.node_agents) != 1:
-                raise ConfigError(f"{self.path}: node_agents has {len(self.node_agents)} entries; pass --node")
+                raise ConfigError(
+                    f"{self.path}: node_agents has {len(self.node_agents)} entries; pass --node"
+                )
             return self.node_agents[0]
         for agent in self.node_agents:
             if agent.node_id == node_id:
@@ -104,7 +106,7 @@ def parse_mesh_config(data: Any, path: str = "<config>") -> MeshConfig:
         config = MeshConfig.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        message = err["msg"]
+        message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown key"
         raise ConfigError(f"{path}: {_location(err['loc'])}: {message}") from None

@@ -68,7 +68,10 @@ def _hcm(prefix: str, routes: list[dict[str, Any]], filters: list[dict[str, Any]
             "codec_type": "AUTO",
             "preserve_external_request_id": True,
             "stream_idle_timeout": "3600s",
-            "route_config": {"name": prefix, "virtual_hosts": [{"name": prefix, "domains": ["*"], "routes": routes}]},
+            "route_config": {
+                "name": prefix,
+                "virtual_hosts": [{"name": prefix, "domains": ["*"], "routes": routes}],
+            },
             "http_filters": [*filters, _ROUTER],
         },
     }
@@ -83,6 +86,8 @@ def _ingress(mesh: MeshConfig) -> dict[str, Any]:
             # Never forward a request the coordinator did not route.
             "failure_mode_allow": False,
             "message_timeout": f"{mesh.envoy.ext_proc_timeout_ms / 1000:g}s",
+            # The coordinator extends the timer of a reply that waits for P/D prefill legs, up to this.
+            "max_message_timeout": f"{max(mesh.coordinator.prefill_budget_s, mesh.envoy.ext_proc_timeout_ms / 1000):g}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SKIP",
@@ -113,7 +118,9 @@ def _ingress(mesh: MeshConfig) -> dict[str, Any]:
 
 
 def _grpc_listener(mesh: MeshConfig, descriptor: Path) -> dict[str, Any]:
-    routes: list[dict[str, Any]] = [{"match": {"prefix": "/tandem.v1.Conductor/"}, "route": {"cluster": "conductor", "timeout": "0s"}}]
+    routes: list[dict[str, Any]] = [
+        {"match": {"prefix": "/tandem.v1.Conductor/"}, "route": {"cluster": "conductor", "timeout": "0s"}}
+    ]
     for agent in mesh.node_agents:
         routes.append(
             {
@@ -126,7 +133,12 @@ def _grpc_listener(mesh: MeshConfig, descriptor: Path) -> dict[str, Any]:
         )
     if mesh.node_agents:
         first = mesh.node_agents[0].node_id
-        routes.append({"match": {"prefix": "/tandem.v1.NodeAgent/"}, "route": {"cluster": f"agent_{first}", "timeout": "0s"}})
+        routes.append(
+            {
+                "match": {"prefix": "/tandem.v1.NodeAgent/"},
+                "route": {"cluster": f"agent_{first}", "timeout": "0s"},
+            }
+        )
     routes.append({"match": {"prefix": "/"}, "route": {"cluster": "coordinator", "timeout": "0s"}})
     transcoder = {
         "name": "envoy.filters.http.grpc_json_transcoder",
@@ -167,7 +179,10 @@ def build_envoy_config(mesh: MeshConfig, descriptor: Path) -> dict[str, Any]:
     ]
     return {
         "admin": {"address": _socket(mesh.envoy.admin_listen)},
-        "static_resources": {"listeners": [_ingress(mesh), _grpc_listener(mesh, descriptor)], "clusters": clusters},
+        "static_resources": {
+            "listeners": [_ingress(mesh), _grpc_listener(mesh, descriptor)],
+            "clusters": clusters,
+        },
     }
 
 

@@ -53,7 +53,9 @@ class GrpcApp:
         self._stopping = asyncio.Event()
         self.bound_port = 0
 
-    def add_service(self, name: str, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
+    def add_service(
+        self, name: str, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any
+    ) -> None:
         """Serves `servicer`; `name` is its full name (`tandem.v1.Admin`), reported by health and reflection."""
         add_to_server(servicer, self.server)
         self._services.append(name)

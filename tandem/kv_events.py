@@ -78,7 +78,9 @@ class BlockStored:
 
     block_hashes: list[int]  # engine hashes (EngineHash), chain order
     parent_block_hash: int | None  # engine hash of the block before the first; None at a chain's start
-    token_ids: list[int]  # block_size tokens per block; empty for offload events that carry none
+    token_ids: (
+        list[int] | bytes
+    )  # block_size tokens per block (or packed, `chain_hash.token_bytes`); may be empty
     block_size: int  # tokens per block as reported with the event (0 when unknown)
     medium: Medium  # normalised medium
     lora_id: int | None = None  # LoRA adapter id; None for the base model
@@ -113,7 +115,14 @@ class EventBatch:
 def _hashes(values: Any) -> list[int]:
     if not isinstance(values, list):
         raise KvEventDecodeError("block_hashes is not a list")
-    return [v & _U64 if isinstance(v, int) else engine_hash(v) for v in values]
+    if not values:
+        return values
+    try:  # the common case, unsigned integers, checked in C
+        if min(values) >= 0 and type(values[0]) is int:
+            return values
+    except TypeError:
+        pass
+    return [engine_hash(v) for v in values]
 
 
 def _opt_hash(value: Any) -> int | None:
@@ -126,7 +135,7 @@ def _stored(
     return BlockStored(
         block_hashes=_hashes(hashes),
         parent_block_hash=_opt_hash(parent),
-        token_ids=list(tokens or ()),
+        token_ids=tokens if type(tokens) is list else list(tokens or ()),
         block_size=int(block_size or 0),
         medium=normalize_medium(medium),
         lora_id=lora_id,
@@ -185,7 +194,12 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise KvEventDecodeError("batch is neither [ts, events, dp_rank] nor a map")
     if not isinstance(events, list):
         raise KvEventDecodeError("batch events is not a list")
-    return EventBatch(ts=float(ts or 0.0), events=[decode_event(e) for e in events], dp_rank=dp_rank)
+    try:
+        return EventBatch(ts=float(ts or 0.0), events=[decode_event(e) for e in events], dp_rank=dp_rank)
+    except (TypeError, ValueError, AttributeError, IndexError) as exc:
+        if isinstance(exc, KvEventDecodeError):
+            raise
+        raise KvEventDecodeError(f"malformed event: {exc}") from None
 
 
 def decode_seq(frame: bytes) -> int:

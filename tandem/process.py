@@ -30,5 +30,3 @@ def run_component(component: str, config_path: str, main: Callable[[MeshConfig],
     except KeyboardInterrupt:
         pass
     return 0
-
-

@@ -12,6 +12,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, Protocol
 
 __all__ = [
@@ -188,13 +189,15 @@ class BuiltinTokenizer:
             if special is not None:
                 out.append(special)
                 continue
-            for piece in _PRETOKEN.findall(chunk):
-                ids = cache.get(piece)
-                if ids is None:
-                    ids = self._encode_piece(piece)
-                    if len(cache) < 200_000:
-                        cache[piece] = ids
-                out.extend(ids)
+            pieces = _PRETOKEN.findall(chunk)
+            found = list(map(cache.get, pieces))
+            if None in found:
+                for i, ids in enumerate(found):
+                    if ids is None:
+                        ids = found[i] = self._encode_piece(pieces[i])
+                        if len(cache) < 200_000:
+                            cache[pieces[i]] = ids
+            out.extend(chain.from_iterable(found))
         return out
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -99,7 +99,9 @@ def _wait(component: Component, ready, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not component.alive():
-            raise StartError(f"{component.name} exited at start; last lines of {component.log_path}:\n{component.tail()}")
+            raise StartError(
+                f"{component.name} exited at start; last lines of {component.log_path}:\n{component.tail()}"
+            )
         if ready():
             return
         time.sleep(0.1)
@@ -202,7 +204,10 @@ def up(mesh: MeshConfig, config_path: str, run_dir: Path, engine_timeout: float 
     signal.signal(signal.SIGINT, on_signal)
     cluster = Mesh(mesh, config_path, run_dir)
     try:
-        print(f"tandem up: starting conductor, coordinator, Envoy and {len(mesh.node_agents)} node agent(s)", flush=True)
+        print(
+            f"tandem up: starting conductor, coordinator, Envoy and {len(mesh.node_agents)} node agent(s)",
+            flush=True,
+        )
         cluster.start()
         missing = cluster.wait_for_engines(engine_timeout)
         if missing:
@@ -212,7 +217,10 @@ def up(mesh: MeshConfig, config_path: str, run_dir: Path, engine_timeout: float 
             dead = cluster.dead()
             if dead:
                 for component in dead:
-                    print(f"tandem up: {component.name} exited; last lines of {component.log_path}:", file=sys.stderr)
+                    print(
+                        f"tandem up: {component.name} exited; last lines of {component.log_path}:",
+                        file=sys.stderr,
+                    )
                     print(component.tail(), file=sys.stderr)
                 return 1
             time.sleep(0.2)

@@ -1,4 +1,9 @@
-"""The scheduling plug-in interface: a policy picks one candidate for a request. Nothing else lives here."""
+"""The scheduling plug-in interface: a policy picks one candidate for a request. Nothing else lives here.
+
+The framework (`coordinator.picker`) filters candidates (healthy, not drained, serving the model, right role),
+asks the conductor for KV facts when the policy `needs_match`, and calls `pick`. Policies are pure: same inputs,
+same choice (randomness, where a policy has any, comes from its own seeded generator).
+"""
 
 from __future__ import annotations
 
@@ -10,33 +15,60 @@ from coordinator.instances import InstanceState
 
 
 @dataclass(frozen=True, slots=True)
+class KvMatch:
+    """The conductor's facts for one candidate: leading prompt blocks it holds, per medium, mutually exclusive."""
+
+    npu_blocks: int = 0
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+    block_size: int = 16
+
+    @property
+    def matched_tokens(self) -> int:
+        """`(npu + cpu + disk) * block_size`."""
+        return (self.npu_blocks + self.cpu_blocks + self.disk_blocks) * self.block_size
+
+
+NO_MATCH = KvMatch()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFacts:
     """What a policy may know about the request being placed."""
 
     request_id: str
     model: str
-    prompt_tokens: int  # input sequence length over all prompts of the request
+    isl: int  # input sequence length over all prompts of the request
     max_tokens: int  # output tokens requested (per prompt times n), as counted for workload
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A routable instance with the coordinator's workload figures for it."""
+    """A routable instance with the coordinator's workload figures and the conductor's KV facts for it."""
 
     state: InstanceState
-    workload_tokens: int  # tokens committed by this coordinator's requests in flight
-    inflight: int  # requests in flight through this coordinator
+    prefill_tokens: int  # prompt tokens committed to prefill on it and not yet computed (ISL - matched)
+    decode_tokens: int  # output tokens committed to decode on it by requests in flight
+    inflight: int  # requests in flight on it through this coordinator
+    context_tokens: int = 0  # prompt plus output tokens of its requests in flight (KV footprint)
+    match: KvMatch = NO_MATCH  # NO_MATCH when the policy asks for none or the conductor gave no answer
 
     @property
     def instance_id(self) -> str:
         """Shortcut to the instance id."""
         return self.state.info.instance_id
 
+    @property
+    def load_tokens(self) -> int:
+        """Committed tokens of work in flight: prefill plus decode."""
+        return self.prefill_tokens + self.decode_tokens
+
 
 class Policy(Protocol):
     """A scheduling policy. `pick` is called with at least one candidate and returns one of them."""
 
     name: str
+    needs_match: bool  # True when `pick` reads `Candidate.match` (the conductor is asked first)
 
     def pick(self, request: RequestFacts, candidates: Sequence[Candidate]) -> Candidate:
         """The candidate to serve `request`."""

@@ -1,20 +1,30 @@
-"""`round_robin`: candidates in turn, per model."""
+"""`round_robin`: candidates in turn, per model. No parameters."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.params import parse_params
 
 TYPE = "round_robin"
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """`round_robin` takes no parameters."""
 
 
 class RoundRobin:
     """Cycles through the candidates of each model, in instance-id order."""
 
     name = TYPE
+    needs_match = False
 
-    def __init__(self) -> None:
+    def __init__(self, params: Params = Params()) -> None:
+        self.params = params
         self._next: dict[str, int] = {}
 
     def pick(self, request: RequestFacts, candidates: Sequence[Candidate]) -> Candidate:
@@ -25,6 +35,6 @@ class RoundRobin:
         return ordered[turn % len(ordered)]
 
 
-def create() -> RoundRobin:
-    """Factory used by the policy registry; `round_robin` takes no parameters."""
-    return RoundRobin()
+def create(raw: Mapping[str, Any] | None = None) -> RoundRobin:
+    """Factory used by the policy registry."""
+    return RoundRobin(parse_params(Params, raw, TYPE))

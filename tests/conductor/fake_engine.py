@@ -54,7 +54,9 @@ def batch(events, dp_rank=None, map_outer=False, ts=None) -> bytes:
 class FakeEngine:
     """Publishes batches with sequence numbers and serves replays from a bounded buffer."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, topic: bytes = b"", buffer: int = 1000, topic_in_replay=True):
+    def __init__(
+        self, ctx: zmq.asyncio.Context, topic: bytes = b"", buffer: int = 1000, topic_in_replay=True
+    ):
         self.ctx = ctx
         self.topic = topic
         self.topic_in_replay = topic_in_replay

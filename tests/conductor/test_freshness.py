@@ -15,7 +15,9 @@ PROMPT = list(range(32))
 
 
 def stored(first, last):
-    return BlockStored(list(range(first, last)), first - 1 if first else None, PROMPT[first * BS : last * BS], BS, Medium.NPU)
+    return BlockStored(
+        list(range(first, last)), first - 1 if first else None, PROMPT[first * BS : last * BS], BS, Medium.NPU
+    )
 
 
 def removed(*blocks):
@@ -32,7 +34,12 @@ class Clock:
 
 def make_core(max_pending=100):
     clock = Clock()
-    core = IngestCore(KvIndex(), SequenceTracker(max_pending=max_pending, replay_timeout_s=5.0), clock=clock, wall=lambda: 0.0)
+    core = IngestCore(
+        KvIndex(),
+        SequenceTracker(max_pending=max_pending, replay_timeout_s=5.0),
+        clock=clock,
+        wall=lambda: 0.0,
+    )
     return core, clock
 
 
@@ -97,8 +104,18 @@ CASES = [
         1,
         {"clears": 1},
     ),
-    ("replay that never finishes times out and clears", [("b", 0, [stored(0, 4)], False, None), ("b", 2, [], False, 1), ("tick", 6.0)], 0, {"clears": 1}),
-    ("agent stream lost during replay clears", [("b", 0, [stored(0, 4)], False, None), ("b", 2, [], False, 1), ("lost",)], 0, {"clears": 1}),
+    (
+        "replay that never finishes times out and clears",
+        [("b", 0, [stored(0, 4)], False, None), ("b", 2, [], False, 1), ("tick", 6.0)],
+        0,
+        {"clears": 1},
+    ),
+    (
+        "agent stream lost during replay clears",
+        [("b", 0, [stored(0, 4)], False, None), ("b", 2, [], False, 1), ("lost",)],
+        0,
+        {"clears": 1},
+    ),
     (
         "engine restart (sequence back to 0) clears and restarts",
         [("b", 10, [stored(0, 4)], False, None), ("b", 0, [stored(0, 1)], False, None)],
@@ -107,15 +124,26 @@ CASES = [
     ),
     (
         "replayed duplicates are skipped (agent reconnect replay)",
-        [("b", 0, [stored(0, 2)], False, None), ("b", 1, [removed(0)], False, None), ("b", 0, [stored(0, 2)], True, None)],
+        [
+            ("b", 0, [stored(0, 2)], False, None),
+            ("b", 1, [removed(0)], False, None),
+            ("b", 0, [stored(0, 2)], True, None),
+        ],
         0,
         {"duplicates": 1},
     ),
-    ("ReplayDone nobody asked for is ignored", [("b", 0, [stored(0, 2)], False, None), ("done", False)], 2, {"clears": 0}),
+    (
+        "ReplayDone nobody asked for is ignored",
+        [("b", 0, [stored(0, 2)], False, None), ("done", False)],
+        2,
+        {"clears": 0},
+    ),
 ]
 
 
-@pytest.mark.parametrize(("steps", "want_blocks", "want_counters"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("steps", "want_blocks", "want_counters"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_freshness(steps, want_blocks, want_counters):
     core, clock = make_core()
     for step in steps:
@@ -171,5 +199,14 @@ def test_instance_gone_forgets_sequences():
     core.batch(B(5, stored(0, 4)), "agent")
     core.instance_gone("a")
     assert blocks(core) == 0 and core.stats().holders == 0
-    assert core.batch(B(0, stored(0, 1)), "agent") is None  # a new incarnation starts afresh, no restart counted
+    assert (
+        core.batch(B(0, stored(0, 1)), "agent") is None
+    )  # a new incarnation starts afresh, no restart counted
     assert blocks(core) == 1 and core.tracker.counters.restarts == 0
+
+
+def test_malformed_event_is_skipped_and_counted():
+    core, _ = make_core()
+    bad = BlockStored([1], None, [2**40] * BS, BS, Medium.NPU)
+    core.batch(B(0, bad, stored(0, 2)), "agent")
+    assert blocks(core) == 2 and core.stats().bad_events == 1

@@ -49,7 +49,11 @@ def run(ops, index=None, model="m"):
 def answer(ix, prompt=PROMPT, model="m", **kw):
     res = match(ix, model, token_ids=prompt, **kw)
     return {
-        h.instance_id: (h.matched_tokens, h.best_dp_rank, {r.dp_rank: (r.npu_blocks, r.cpu_blocks, r.disk_blocks) for r in h.ranks})
+        h.instance_id: (
+            h.matched_tokens,
+            h.best_dp_rank,
+            {r.dp_rank: (r.npu_blocks, r.cpu_blocks, r.disk_blocks) for r in h.ranks},
+        )
         for h in res.instances
     }
 
@@ -67,27 +71,51 @@ CASES = [
         [S("a", 0, 0, 4, CPU), S("a", 0, 2, 4, NPU, tokens=False)],
         {"a": (16, 0, {0: (2, 2, 0)})},
     ),
-    ("walk stops at the first missing block", [S("a", 0, 0, 8), R("a", 0, [3])], {"a": (12, 0, {0: (3, 0, 0)})}),
+    (
+        "walk stops at the first missing block",
+        [S("a", 0, 0, 8), R("a", 0, [3])],
+        {"a": (12, 0, {0: (3, 0, 0)})},
+    ),
     (
         "removed from NPU, still on CPU",
         [S("a", 0, 0, 4), S("a", 0, 0, 4, CPU, tokens=False), R("a", 0, [1])],
         {"a": (16, 0, {0: (3, 1, 0)})},
     ),
-    ("duplicate BlockStored is harmless", [S("a", 0, 0, 8), S("a", 0, 0, 8), S("a", 0, 4, 8)], {"a": (32, 0, {0: (8, 0, 0)})}),
+    (
+        "duplicate BlockStored is harmless",
+        [S("a", 0, 0, 8), S("a", 0, 0, 8), S("a", 0, 4, 8)],
+        {"a": (32, 0, {0: (8, 0, 0)})},
+    ),
     (
         "DP ranks: longest per instance",
         [S("a", 0, 0, 3), S("a", 1, 0, 6, CPU), S("b", 0, 0, 2)],
         {"a": (24, 1, {0: (3, 0, 0), 1: (0, 6, 0)}), "b": (8, 0, {0: (2, 0, 0)})},
     ),
-    ("DP ranks: tie goes to the lowest rank", [S("a", 1, 0, 3), S("a", 0, 0, 3)], {"a": (12, 0, {0: (3, 0, 0), 1: (3, 0, 0)})}),
+    (
+        "DP ranks: tie goes to the lowest rank",
+        [S("a", 1, 0, 3), S("a", 0, 0, 3)],
+        {"a": (12, 0, {0: (3, 0, 0), 1: (3, 0, 0)})},
+    ),
     ("chained event resolves its parent", [S("a", 0, 0, 3), S("a", 0, 3, 8)], {"a": (32, 0, {0: (8, 0, 0)})}),
     ("orphan (unknown parent) is not indexed", [S("a", 0, 4, 8, parent=False)], {}),
     ("token-less store of unknown hashes is ignored", [S("a", 0, 0, 8, CPU, tokens=False)], {}),
-    ("AllBlocksCleared clears that rank only", [S("a", 0, 0, 8), S("a", 1, 0, 2), C("a", 0)], {"a": (8, 1, {1: (2, 0, 0)})}),
+    (
+        "AllBlocksCleared clears that rank only",
+        [S("a", 0, 0, 8), S("a", 1, 0, 2), C("a", 0)],
+        {"a": (8, 1, {1: (2, 0, 0)})},
+    ),
     ("instance gone", [S("a", 0, 0, 8), S("b", 0, 0, 1), ("gone", "a")], {"b": (4, 0, {0: (1, 0, 0)})}),
-    ("removal of unknown hash is harmless", [S("a", 0, 0, 2), R("a", 0, [7], CPU)], {"a": (8, 0, {0: (2, 0, 0)})}),
+    (
+        "removal of unknown hash is harmless",
+        [S("a", 0, 0, 2), R("a", 0, [7], CPU)],
+        {"a": (8, 0, {0: (2, 0, 0)})},
+    ),
     ("a different prompt does not match", [S("a", 0, 0, 8, prompt=list(range(32)))], {}),
-    ("longest first", [S("a", 0, 0, 2), S("b", 0, 0, 5, DISK)], {"b": (20, 0, {0: (0, 0, 5)}), "a": (8, 0, {0: (2, 0, 0)})}),
+    (
+        "longest first",
+        [S("a", 0, 0, 2), S("b", 0, 0, 5, DISK)],
+        {"b": (20, 0, {0: (0, 0, 5)}), "a": (8, 0, {0: (2, 0, 0)})},
+    ),
 ]
 
 
@@ -157,12 +185,19 @@ def test_memory_bound(policy):
 
 
 def test_legacy_and_current_encodings_index_the_same(tmp_path):
-    from fake_engine import batch, stored
+    from tests.conductor.fake_engine import batch, stored
 
     results = []
     for legacy in (True, False):
         ix = KvIndex()
-        b = decode_batch(batch([stored([1, 2], None, PROMPT[:8], BS, "GPU", legacy), stored([3], 2, PROMPT[8:12], BS, "cpu", legacy)]))
+        b = decode_batch(
+            batch(
+                [
+                    stored([1, 2], None, PROMPT[:8], BS, "GPU", legacy),
+                    stored([3], 2, PROMPT[8:12], BS, "cpu", legacy),
+                ]
+            )
+        )
         h = ix.holder("a", 0, "m", BS)
         for ev in b.events:
             ix.apply(h, ev)

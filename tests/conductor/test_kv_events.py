@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from fake_engine import batch, cleared, removed, stored
 
 from tandem.chain_hash import chain_hashes, lora_root
 from tandem.kv_events import (
@@ -19,6 +18,7 @@ from tandem.kv_events import (
     split_message,
     split_replay_reply,
 )
+from tests.conductor.fake_engine import batch, cleared, removed, stored
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,9 @@ def test_decode_current_with_omitted_defaults_and_old_two_field_batch():
     assert b.events[0].medium == Medium.NPU
 
 
-@pytest.mark.parametrize("payload", [b"\xc1", msgspec.msgpack.encode(5), msgspec.msgpack.encode([1.0, [["Nope"]]])])
+@pytest.mark.parametrize(
+    "payload", [b"\xc1", msgspec.msgpack.encode(5), msgspec.msgpack.encode([1.0, [["Nope"]]])]
+)
 def test_decode_errors(payload):
     with pytest.raises(KvEventDecodeError):
         decode_batch(payload)

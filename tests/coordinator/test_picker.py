@@ -6,45 +6,49 @@ from coordinator.config import CoordinatorConfig, SchedulerConfig
 from coordinator.errors import OpenAIError
 from coordinator.instances import Health, InstanceInfo, InstanceTable
 from coordinator.picker import EndpointPicker, TokenizerCache
-from coordinator.scheduling import create_policy
 from coordinator.workload import WorkloadLedger
 from tandem.tokenizer import load_tokenizer
 
 
-def make_picker(policy: str = "least_load", instances: int = 2) -> EndpointPicker:
+def make_picker(policy: str = "least_load", instances: int = 2, matcher=None) -> EndpointPicker:
     table = InstanceTable(["m"])
     for i in range(instances):
         table.register(InstanceInfo(f"i{i}", "m", f"127.0.0.1:{8100 + i}", "hybrid", "aggregated"))
     config = CoordinatorConfig(scheduler=SchedulerConfig(policy=policy))
-    return EndpointPicker(config, table, WorkloadLedger(), create_policy(policy), TokenizerCache({}, load_tokenizer))
+    tokenizers = TokenizerCache({}, load_tokenizer)
+    return EndpointPicker(config, table, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher)
 
 
 def body(**fields) -> bytes:
     return json.dumps({"model": "m", **fields}).encode()
 
 
-def test_decision_commits_prompt_plus_output_tokens():
+async def test_decision_commits_prompt_plus_output_tokens():
     picker = make_picker()
-    d = picker.decide("completions", body(prompt="hello there world", max_tokens=10), "r1")
+    d = await picker.decide("completions", body(prompt="hello there world", max_tokens=10), "r1")
     prompt_len = len(load_tokenizer(None).encode("hello there world"))
+    iid = d.target.instance.info.instance_id
     assert d.request.prompt_tokens == prompt_len
-    assert picker.ledger.tokens(d.instance.info.instance_id) == prompt_len + 10
-    assert picker.finish(d) is True and picker.finish(d) is False
+    assert (picker.ledger.prefill_tokens(iid), picker.ledger.decode_tokens(iid)) == (prompt_len, 10)
+    assert picker.ledger.context_tokens(iid) == prompt_len + 10
+    assert picker.release(d.target) is True and picker.release(d.target) is False
     assert picker.ledger.total_tokens == 0
 
 
-def test_completions_default_max_tokens_and_n_and_prompt_lists():
+async def test_completions_default_max_tokens_and_n_and_prompt_lists():
     picker = make_picker()
-    d = picker.decide("completions", body(prompt=["a b", "c d e"], n=2), "r")
+    d = await picker.decide("completions", body(prompt=["a b", "c d e"], n=2), "r")
     assert len(d.request.prompts) == 2
     assert d.request.max_tokens == 16 * 2 * 2  # vLLM's default 16, per prompt and choice
 
 
-def test_least_load_spreads_concurrent_requests():
+async def test_least_load_spreads_concurrent_requests():
     picker = make_picker()
-    first = picker.decide("chat.completions", body(messages=[{"role": "user", "content": "x " * 200}]), "a")
-    second = picker.decide("chat.completions", body(messages=[{"role": "user", "content": "y"}]), "b")
-    assert first.instance.info.instance_id != second.instance.info.instance_id
+    first = await picker.decide(
+        "chat.completions", body(messages=[{"role": "user", "content": "x " * 200}]), "a"
+    )
+    second = await picker.decide("chat.completions", body(messages=[{"role": "user", "content": "y"}]), "b")
+    assert first.target.instance.info.instance_id != second.target.instance.info.instance_id
 
 
 @pytest.mark.parametrize(
@@ -63,34 +67,40 @@ def test_least_load_spreads_concurrent_requests():
         ("completions", json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "`nope` does not exist"),
     ],
 )
-def test_errors(api, raw, status, fragment):
+async def test_errors(api, raw, status, fragment):
     picker = make_picker()
     with pytest.raises(OpenAIError) as info:
-        picker.decide(api, raw, "r")
+        await picker.decide(api, raw, "r")
     assert info.value.status == status
     assert fragment in info.value.message
     error = json.loads(info.value.body())["error"]
-    assert error["code"] == status and error["message"] == info.value.message and error["type"].endswith("Error")
+    assert (
+        error["code"] == status and error["message"] == info.value.message and error["type"].endswith("Error")
+    )
     assert picker.ledger.total_requests == 0
 
 
-def test_no_routable_instance_is_503_and_known_model_stays_known():
+async def test_no_routable_instance_is_503_and_known_model_stays_known():
     picker = make_picker(instances=2)
     picker.instances.get("i0").health = Health.UNHEALTHY
     picker.instances.get("i1").drained = True
     with pytest.raises(OpenAIError) as info:
-        picker.decide("completions", body(prompt="x"), "r")
+        await picker.decide("completions", body(prompt="x"), "r")
     assert info.value.status == 503
     picker.instances.deregister("i0")
     picker.instances.deregister("i1")
     with pytest.raises(OpenAIError) as info:
-        picker.decide("completions", body(prompt="x"), "r")
+        await picker.decide("completions", body(prompt="x"), "r")
     assert info.value.status == 503
 
 
-def test_drained_and_unhealthy_instances_get_nothing():
+async def test_drained_and_unhealthy_instances_get_nothing():
     picker = make_picker(policy="round_robin", instances=3)
     picker.instances.get("i0").drained = True
     picker.instances.get("i2").health = Health.UNHEALTHY
-    picks = {picker.decide("completions", body(prompt="x"), str(i)).instance.info.instance_id for i in range(6)}
+    picks = set()
+    for i in range(6):
+        picks.add(
+            (await picker.decide("completions", body(prompt="x"), str(i))).target.instance.info.instance_id
+        )
     assert picks == {"i1"}

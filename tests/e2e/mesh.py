@@ -40,8 +40,20 @@ class RunningMesh:
     def start(self, timeout: float = 90) -> None:
         out = open(self.output, "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--config", str(self.config_path), "--run-dir", str(self.run_dir)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TANDEM_NO_BANNER": "1"},
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli",
+                "up",
+                "--config",
+                str(self.config_path),
+                "--run-dir",
+                str(self.run_dir),
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TANDEM_NO_BANNER": "1"},
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -14,18 +14,26 @@ import httpx
 import openai
 import pytest
 
-from tandem.v1 import admin_pb2, node_agent_pb2
 from bench.harness import mesh_config
+from tandem.v1 import admin_pb2, node_agent_pb2
 from tests.e2e.mesh import RunningMesh, processes_mentioning
 
-GRPCURL = shutil.which("grpcurl", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-CHAT = {"model": "tandem-sim", "messages": [{"role": "user", "content": "Tell me about Envoy."}], "max_tokens": 12}
+GRPCURL = shutil.which(
+    "grpcurl", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+)
+CHAT = {
+    "model": "tandem-sim",
+    "messages": [{"role": "user", "content": "Tell me about Envoy."}],
+    "max_tokens": 12,
+}
 COMPLETION = {"model": "tandem-sim", "prompt": "The quick brown fox", "max_tokens": 12}
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    running = RunningMesh(mesh_config(engines=2, engine_args=["--speedup", "20"]), tmp_path_factory.mktemp("mesh"))
+    running = RunningMesh(
+        mesh_config(engines=2, engine_args=["--speedup", "20"]), tmp_path_factory.mktemp("mesh")
+    )
     running.start()
     yield running
     if running.process.poll() is None:
@@ -33,7 +41,7 @@ def mesh(tmp_path_factory):
 
 
 def sse_events(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
 @pytest.mark.parametrize("path,payload", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
@@ -71,30 +79,46 @@ def test_openai_sdk(mesh):
 
 
 def test_grpcurl_lists_services_and_health(mesh):
-    listed = subprocess.run([GRPCURL, "-plaintext", mesh.grpc_address, "list"], capture_output=True, text=True, timeout=20)
+    listed = subprocess.run(
+        [GRPCURL, "-plaintext", mesh.grpc_address, "list"], capture_output=True, text=True, timeout=20
+    )
     assert listed.returncode == 0, listed.stderr
     services = set(listed.stdout.split())
     for name in ("Admin", "Registry", "Metaserver", "Conductor", "NodeAgent"):
         assert f"tandem.v1.{name}" in services
         check = subprocess.run(
-            [GRPCURL, "-plaintext", "-d", json.dumps({"service": f"tandem.v1.{name}"}), mesh.grpc_address,
-             "grpc.health.v1.Health/Check"],
-            capture_output=True, text=True, timeout=20,
+            [
+                GRPCURL,
+                "-plaintext",
+                "-d",
+                json.dumps({"service": f"tandem.v1.{name}"}),
+                mesh.grpc_address,
+                "grpc.health.v1.Health/Check",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
         )
         assert json.loads(check.stdout)["status"] == "SERVING", (name, check.stdout, check.stderr)
     instances = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.Admin/ListInstances"], capture_output=True, text=True
+        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.Admin/ListInstances"],
+        capture_output=True,
+        text=True,
     )
     listed_ids = [i["instance"]["instance_id"] for i in json.loads(instances.stdout)["instances"]]
     assert listed_ids == ["sim-0", "sim-1"]
     # Methods of the other processes resolve through the same reflection and reach the right process.
     agent = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.NodeAgent/GetStatus"], capture_output=True, text=True
+        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.NodeAgent/GetStatus"],
+        capture_output=True,
+        text=True,
     )
     assert agent.returncode == 0, agent.stderr
     assert [e["state"] for e in json.loads(agent.stdout)["engines"]] == ["ENGINE_STATE_RUNNING"] * 2
     index = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.Conductor/GetIndexStats"], capture_output=True, text=True
+        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.Conductor/GetIndexStats"],
+        capture_output=True,
+        text=True,
     )
     assert index.returncode == 0, index.stderr
 
@@ -108,7 +132,9 @@ def test_grpcurl_lists_services_and_health(mesh):
     ],
 )
 def test_errors_are_openai_json(mesh, body, status, fragment):
-    reply = httpx.post(mesh.http + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    reply = httpx.post(
+        mesh.http + "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["code"] == status and fragment in error["message"]
@@ -127,15 +153,27 @@ def test_workload_returns_to_zero_after_disconnects(mesh):
 def test_killed_engine_is_restarted_while_the_other_serves(mesh):
     victim = mesh.engines()["sim-0"]
     os.kill(victim.pid, 9)
-    mesh.wait_for(lambda: mesh.engines()["sim-0"].state != node_agent_pb2.ENGINE_STATE_RUNNING, 10, "crash noticed")
+    mesh.wait_for(
+        lambda: mesh.engines()["sim-0"].state != node_agent_pb2.ENGINE_STATE_RUNNING, 10, "crash noticed"
+    )
     for _ in range(10):
         assert httpx.post(mesh.http + "/v1/completions", json=COMPLETION, timeout=30).status_code == 200
     mesh.wait_for(lambda: mesh.engines()["sim-0"].state == node_agent_pb2.ENGINE_STATE_RUNNING, 30, "restart")
     restarted = mesh.engines()["sim-0"]
     assert restarted.restarts == 1 and restarted.pid != victim.pid and restarted.last_exit_code == -9
     mesh.wait_for(
-        lambda: len([i for i in mesh.admin().ListInstances(admin_pb2.ListInstancesRequest()).instances
-                     if i.health == 2]) == 2, 10, "re-registration",
+        lambda: (
+            len(
+                [
+                    i
+                    for i in mesh.admin().ListInstances(admin_pb2.ListInstancesRequest()).instances
+                    if i.health == 2
+                ]
+            )
+            == 2
+        ),
+        10,
+        "re-registration",
     )
 
 
@@ -147,8 +185,11 @@ def test_all_engines_stopped_gives_503_then_recovers(mesh):
     assert reply.status_code == 503 and "No healthy instance" in reply.json()["error"]["message"]
     for iid in ("sim-0", "sim-1"):
         agent.Launch(node_agent_pb2.LaunchRequest(instance_id=iid), timeout=30)
-    mesh.wait_for(lambda: httpx.post(mesh.http + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200,
-                  30, "engines back")
+    mesh.wait_for(
+        lambda: httpx.post(mesh.http + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200,
+        30,
+        "engines back",
+    )
 
 
 def test_ctrl_c_leaves_no_process_behind(mesh):
@@ -157,7 +198,10 @@ def test_ctrl_c_leaves_no_process_behind(mesh):
     assert len(engine_pids) == 2 and len(component_pids) >= 4
     assert mesh.stop() == 0
     time.sleep(0.5)
-    alive = [p for p in engine_pids + component_pids if Path(f"/proc/{p}").exists()
-             and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+    alive = [
+        p
+        for p in engine_pids + component_pids
+        if Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()
+    ]
     assert alive == [], alive
     assert "tandem up: stopped" in mesh.output.read_text()

@@ -46,7 +46,9 @@ class EngineProc:
                 time.sleep(0.02)
         raise RuntimeError("engine did not become healthy")
 
-    def post(self, path: str, body: dict, headers: dict | None = None, timeout: float = 20.0) -> tuple[int, dict]:
+    def post(
+        self, path: str, body: dict, headers: dict | None = None, timeout: float = 20.0
+    ) -> tuple[int, dict]:
         req = urllib.request.Request(
             self.url + path,
             data=json.dumps(body).encode(),

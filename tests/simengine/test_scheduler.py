@@ -17,7 +17,9 @@ def make(blocks=64, seqs=8, budget=64, bs=4):
 
 def req(n, rid, max_tokens=4, ignore_eos=True, key=None):
     prompt = [(i * 7 + len(rid)) % 400 + 10 for i in range(n)]
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, seed_key=key or seed_key(prompt, 0, 1, -1, None, 0))
+    sp = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=ignore_eos, seed_key=key or seed_key(prompt, 0, 1, -1, None, 0)
+    )
     return Request(rid, prompt, sp, 0.0)
 
 
@@ -88,7 +90,9 @@ def test_eos_and_min_tokens():
     s = make()
     s.add_request(r)
     run(s)
-    assert r.finish_reason == "stop" and r.output_token_ids[-1] == 2 and len(r.output_token_ids) == natural + 1
+    assert (
+        r.finish_reason == "stop" and r.output_token_ids[-1] == 2 and len(r.output_token_ids) == natural + 1
+    )
     r2 = req(4, "m", max_tokens=1000, ignore_eos=False, key=key)
     r2.params.min_tokens = natural + 10
     s = make()
@@ -111,10 +115,22 @@ def test_remote_kv_request_waits_then_runs():
     s.add_request(r)
     assert s.schedule().is_empty and s.new_remote == [r] and r.status is Status.WAITING_FOR_REMOTE_KVS
     r.remote_kv_done = r.remote_kv_ok = True
+    r.num_remote_tokens = 10  # the whole prompt (trigger push): only the last token is recomputed
     out = s.schedule()
-    assert out.scheduled == [(r, 1)] and r.num_external_tokens == 9
+    assert out.scheduled == [(r, 1)] and r.num_external_tokens == 9 and not r.needs_remote_kv
     run(s)
     assert len(r.output_token_ids) == 4
+
+
+def test_remote_kv_full_blocks_only_leave_the_tail_to_compute():
+    s = make()
+    r = req(10, "handoff")
+    r.needs_remote_kv = True
+    s.add_request(r)
+    s.schedule()
+    r.remote_kv_done = r.remote_kv_ok = True
+    r.num_remote_tokens = 8  # two full blocks of 4 pulled from the prefill engine
+    assert s.schedule().scheduled == [(r, 2)] and r.num_external_tokens == 8
 
 
 def test_remote_kv_failure_falls_back_to_local_prefill():

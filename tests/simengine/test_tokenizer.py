@@ -9,7 +9,15 @@ TOK = load_tokenizer(None)
 
 @pytest.mark.parametrize(
     "text",
-    ["hello world", "The quick brown fox.", "héllo 世界 🚀", "  spaces\n\nand\ttabs ", "x" * 50, "", "a'll b's"],
+    [
+        "hello world",
+        "The quick brown fox.",
+        "héllo 世界 🚀",
+        "  spaces\n\nand\ttabs ",
+        "x" * 50,
+        "",
+        "a'll b's",
+    ],
 )
 def test_round_trip(text):
     assert TOK.decode(TOK.encode(text)) == text
@@ -35,7 +43,10 @@ def test_special_tokens_are_single_ids():
 
 def test_completions_prompt_forms():
     assert prompt_token_ids(TOK, "completions", {"prompt": "hello"}) == [TOK.encode("hello")]
-    assert prompt_token_ids(TOK, "completions", {"prompt": ["a b", "c"]}) == [TOK.encode("a b"), TOK.encode("c")]
+    assert prompt_token_ids(TOK, "completions", {"prompt": ["a b", "c"]}) == [
+        TOK.encode("a b"),
+        TOK.encode("c"),
+    ]
     assert prompt_token_ids(TOK, "completions", {"prompt": [1, 2, 3]}) == [[1, 2, 3]]
     assert prompt_token_ids(TOK, "completions", {"prompt": [[1, 2], [3]]}) == [[1, 2], [3]]
 
@@ -50,10 +61,18 @@ def test_completions_invalid(body):
 
 
 def test_chat_template_and_tools():
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
     text = TOK.apply_chat_template(msgs)
-    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    with_tools = prompt_token_ids(TOK, "chat.completions", {"messages": msgs, "tools": [{"type": "function"}]})[0]
+    assert (
+        text
+        == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with_tools = prompt_token_ids(
+        TOK, "chat.completions", {"messages": msgs, "tools": [{"type": "function"}]}
+    )[0]
     plain = prompt_token_ids(TOK, "chat.completions", {"messages": msgs})[0]
     assert len(with_tools) > len(plain)
     with pytest.raises(ValueError):
@@ -69,7 +88,9 @@ def test_hf_tokenizer_directory(tmp_path):
     tok = tokenizers.Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    )
     tok.train_from_iterator(["hello world the cache server answers"] * 50, trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')

@@ -13,20 +13,52 @@ def test_default_config_loads():
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"coordinator": {"scheduler": {"policy": "fastest"}}}, "coordinator.scheduler.policy: Input should be"),
-        ({"coordinator": {"listen": "nowhere"}}, "coordinator.listen: Value error, bad address 'nowhere'"),
-        ({"envoy": {"http_port": 8000}}, "envoy.http_port: unknown key"),
-        ({"node_agents": [{"node_id": "n", "engines": [{"instance_id": "a", "model": "m"}]}]},
-         "node_agents[0].engines[0].port: Field required"),
         (
-            {"node_agents": [{"node_id": "n", "engines": [
-                {"instance_id": "a", "model": "m", "port": 1}, {"instance_id": "a", "model": "m", "port": 2}]}]},
+            {"coordinator": {"scheduler": {"policy": "fastest"}}},
+            "coordinator.scheduler: policy: unknown scheduling policy 'fastest'",
+        ),
+        ({"coordinator": {"listen": "nowhere"}}, "coordinator.listen: bad address 'nowhere'"),
+        ({"envoy": {"http_port": 8000}}, "envoy.http_port: unknown key"),
+        (
+            {"node_agents": [{"node_id": "n", "engines": [{"instance_id": "a", "model": "m"}]}]},
+            "node_agents[0].engines[0].port: Field required",
+        ),
+        (
+            {
+                "node_agents": [
+                    {
+                        "node_id": "n",
+                        "engines": [
+                            {"instance_id": "a", "model": "m", "port": 1},
+                            {"instance_id": "a", "model": "m", "port": 2},
+                        ],
+                    }
+                ]
+            },
             "duplicate instance_id 'a'",
         ),
-        ({"node_agents": [{"node_id": "n", "engines": [{"instance_id": "a", "model": "m", "port": 1, "host": "0.0.0.0"}]}]},
-         "wildcard"),
-        ({"node_agents": [{"node_id": "n", "engines": [{"instance_id": "a", "model": "m", "port": 1, "backend": "vllm"}]}]},
-         "model_path is required"),
+        (
+            {
+                "node_agents": [
+                    {
+                        "node_id": "n",
+                        "engines": [{"instance_id": "a", "model": "m", "port": 1, "host": "0.0.0.0"}],
+                    }
+                ]
+            },
+            "wildcard",
+        ),
+        (
+            {
+                "node_agents": [
+                    {
+                        "node_id": "n",
+                        "engines": [{"instance_id": "a", "model": "m", "port": 1, "backend": "vllm"}],
+                    }
+                ]
+            },
+            "model_path is required",
+        ),
         ([1, 2], "expected a mapping"),
     ],
 )

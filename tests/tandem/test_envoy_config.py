@@ -10,7 +10,9 @@ from tandem.up import envoy_binary
 
 def test_real_envoy_validates_generated_config(tmp_path):
     path = write_envoy_config(load_mesh_config("configs/default.yaml"), DESCRIPTOR, tmp_path / "envoy.yaml")
-    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -34,5 +36,7 @@ def test_ipv6_listeners(tmp_path):
     listeners = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"]
     assert listeners[0]["address"]["socket_address"] == {"address": "::1", "port_value": 8000}
     path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
-    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr[-2000:]

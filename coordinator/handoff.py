@@ -1,0 +1,108 @@
+"""P/D handoff (`prefill_handoff_decode`): the prefill leg, sent by the coordinator before Envoy forwards.
+
+The prefill engine gets the client's body with `kv_transfer_params {"do_remote_decode": true,
+"do_remote_prefill": false}`, `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1` when present),
+without `min_tokens` and `stream_options`, and the same `X-Request-Id`. It answers with the `kv_transfer_params`
+the decode engine needs; the coordinator copies them verbatim into the body Envoy sends to the decode engine,
+which streams the answer back. A failed leg is retried on another prefill instance, up to
+`coordinator.prefill_attempts`, then the client gets 503. The prefill instance's workload is released when its
+leg ends, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any
+
+import aiohttp
+
+from coordinator import metrics
+from coordinator.errors import OpenAIError
+from coordinator.picker import Decision, EndpointPicker
+
+log = logging.getLogger(__name__)
+
+
+class PrefillFailed(Exception):
+    """The prefill leg did not produce `kv_transfer_params`."""
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The body of the prefill leg."""
+    leg = copy.deepcopy(body)
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg.pop("min_tokens", None)
+    leg.pop("stream_options", None)
+    return leg
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: Any) -> bytes:
+    """The client's body with the prefill engine's `kv_transfer_params`, verbatim."""
+    return json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
+
+
+class HandoffRunner:
+    """Sends prefill legs over one pooled HTTP client."""
+
+    def __init__(self, picker: EndpointPicker, timeout_s: float, attempts: int) -> None:
+        self.picker = picker
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.attempts = attempts
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        """Closes the HTTP client."""
+        if self._session is not None:
+            await self._session.close()
+
+    async def _send(self, address: str, path: str, body: dict[str, Any], request_id: str) -> Any:
+        url = f"http://{address}{path}"
+        try:
+            async with self._client().post(url, json=body, headers={"X-Request-Id": request_id}) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise PrefillFailed(f"HTTP {resp.status}: {text[:200]}")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise PrefillFailed(f"{type(exc).__name__}: {exc}") from None
+        try:
+            params = json.loads(text).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict) or not params:
+            raise PrefillFailed("the answer carries no kv_transfer_params (is the engine a kv_producer?)")
+        return params
+
+    async def run(self, decision: Decision, path: str) -> bytes:
+        """Runs the prefill leg (with retries); returns the body for the decode engine."""
+        tried: set[str] = set()
+        last = ""
+        body = prefill_body(decision.request.body)
+        for _ in range(self.attempts):
+            leg = await self.picker.pick_prefill(decision, tried)
+            iid = leg.instance.info.instance_id
+            tried.add(iid)
+            try:
+                params = await self._send(leg.instance.info.address, path, body, decision.request_id)
+            except PrefillFailed as exc:
+                last = f"{iid}: {exc}"
+                metrics.PREFILL_LEGS.labels("failed").inc()
+                log.warning("prefill leg failed", extra={"instance": iid, "error": str(exc)})
+                continue
+            finally:
+                self.picker.release(leg)  # the prefill leg is over, whatever its outcome
+            metrics.PREFILL_LEGS.labels("ok").inc()
+            return decode_body(decision.request.body, params)
+        raise OpenAIError(503, f"The prefill leg failed on {len(tried)} instance(s); last error: {last}")

@@ -1,0 +1,108 @@
+"""The coordinator's client of the conductor's `Match` stream, with a deadline and a load-only fallback.
+
+One long-lived bidirectional stream; the conductor answers requests in order, so pending answers are a FIFO of
+futures. While the stream is down, or when an answer misses its deadline, `match` returns None at once and the
+caller scores on load alone (counted in `tandem_coordinator_match_fallbacks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from coordinator import metrics
+from coordinator.scheduling import KvMatch
+from tandem.v1 import conductor_pb2, conductor_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ConductorMatcher:
+    """Asks the conductor which instances hold a prompt's prefix."""
+
+    def __init__(self, address: str, timeout_s: float, queue_size: int = 4096) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._outbox: asyncio.Queue[conductor_pb2.MatchRequest] = asyncio.Queue(maxsize=queue_size)
+        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        self._task: asyncio.Task | None = None
+        self.connected = False
+
+    def start(self) -> None:
+        """Starts keeping the stream up (reconnecting with backoff)."""
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        """Stops the stream."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self.address) as channel:
+                    await asyncio.wait_for(channel.channel_ready(), 5)
+                    call = conductor_pb2_grpc.ConductorStub(channel).Match(self._requests())
+                    self.connected = True
+                    backoff = 0.1
+                    log.info("match stream open", extra={"conductor": self.address})
+                    async for reply in call:
+                        if self._pending:
+                            fut = self._pending.popleft()
+                            if not fut.done():
+                                fut.set_result(reply)
+            except (TimeoutError, grpc.aio.AioRpcError) as exc:
+                if self.connected:
+                    log.warning("match stream lost", extra={"error": repr(exc)})
+            self.connected = False
+            while self._pending:
+                fut = self._pending.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+            while not self._outbox.empty():
+                self._outbox.get_nowait()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _requests(self):
+        while True:
+            yield await self._outbox.get()
+
+    async def match(
+        self, request_id: str, model: str, token_ids: Sequence[int], candidates: Sequence[str]
+    ) -> dict[str, KvMatch] | None:
+        """Per candidate id, the best DP rank's hits; None when the conductor could not answer in time."""
+        if not self.connected or self._outbox.full():
+            metrics.MATCH_FALLBACKS.labels("unavailable").inc()
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append(fut)
+        self._outbox.put_nowait(
+            conductor_pb2.MatchRequest(
+                request_id=request_id, model=model, token_ids=token_ids, candidate_instance_ids=candidates
+            )
+        )
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except TimeoutError:
+            metrics.MATCH_FALLBACKS.labels("timeout").inc()
+            return None
+        if reply is None:
+            metrics.MATCH_FALLBACKS.labels("unavailable").inc()
+            return None
+        hits: dict[str, KvMatch] = {}
+        for inst in reply.instances:
+            best = next((r for r in inst.ranks if r.dp_rank == inst.best_dp_rank), None)
+            if best is not None:
+                hits[inst.instance_id] = KvMatch(
+                    best.npu_blocks, best.cpu_blocks, best.disk_blocks, inst.block_size
+                )
+        return hits

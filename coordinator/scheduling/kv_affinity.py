@@ -1,0 +1,113 @@
+"""`kv_affinity`: Tandem's KV-aware policy: prefill work saved by cached prefixes, blended with load.
+
+For each candidate, from the conductor's exclusive per-medium hits (`npu`, `cpu`, `disk` leading blocks):
+
+    affinity_matched = min(round((npu * w_npu + cpu * w_cpu + disk * w_disk) * block_size), isl)
+    prefill_cost     = max(0, isl - overlap_credit * affinity_matched)
+
+and, with `load_tokens` the candidate's committed tokens in flight (prefill still to compute plus decode):
+
+- mode `blend` (default): pick the lowest `prefill_load_scale * prefill_cost + load_weight * load_tokens`;
+- mode `prefix`: pick the longest `affinity_matched`, then the lowest blend cost;
+- mode `load`: pick the lowest `load_tokens` (KV facts ignored).
+
+With `load_gate_topn = N > 0`, only the N least-loaded candidates (by `load_tokens`, ties by instance id) are
+scored, so that a hot prefix cannot pile every request onto one overloaded instance. Remaining ties go to fewer
+in-flight requests, then in turn.
+
+| parameter | default | meaning |
+|---|---|---|
+| `mode` | `blend` | `blend`, `prefix` or `load` |
+| `load_weight` | 1.0 | weight of committed tokens in flight |
+| `overlap_credit` | 1.0 | share of a cached token's prefill that is saved (0..1) |
+| `prefill_load_scale` | 1.0 | weight of this request's prefill cost |
+| `load_gate_topn` | 0 | score only the N least-loaded candidates (0: all) |
+| `w_npu`, `w_cpu`, `w_disk` | 1.0, 1.0, 0.0 | credit per cached block by medium |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.least_load import Rotation
+from coordinator.scheduling.params import parse_params
+
+TYPE = "kv_affinity"
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """See the module docstring."""
+
+    mode: Literal["blend", "prefix", "load"] = "blend"
+    load_weight: float = 1.0
+    overlap_credit: float = 1.0
+    prefill_load_scale: float = 1.0
+    load_gate_topn: int = 0
+    w_npu: float = 1.0
+    w_cpu: float = 1.0
+    w_disk: float = 0.0
+
+    def check(self) -> str | None:
+        for key in ("load_weight", "prefill_load_scale", "w_npu", "w_cpu", "w_disk"):
+            if getattr(self, key) < 0:
+                return f"{key}: must be >= 0, got {getattr(self, key)}"
+        if not 0.0 <= self.overlap_credit <= 1.0:
+            return f"overlap_credit: must be between 0 and 1, got {self.overlap_credit}"
+        if self.load_gate_topn < 0:
+            return f"load_gate_topn: must be >= 0, got {self.load_gate_topn}"
+        return None
+
+
+def affinity_matched(p: Params, c: Candidate, isl: int) -> int:
+    """Cached prompt tokens credited to a candidate, weighted by medium, at most the prompt."""
+    m = c.match
+    weighted = (m.npu_blocks * p.w_npu + m.cpu_blocks * p.w_cpu + m.disk_blocks * p.w_disk) * m.block_size
+    return min(round(weighted), isl)
+
+
+def prefill_cost(p: Params, c: Candidate, isl: int) -> float:
+    """Prompt tokens the candidate would still have to compute."""
+    return max(0.0, isl - p.overlap_credit * affinity_matched(p, c, isl))
+
+
+class KvAffinity:
+    """See the module docstring."""
+
+    name = TYPE
+
+    def __init__(self, params: Params = Params()) -> None:
+        self.params = params
+        self.needs_match = params.mode != "load"
+        self._rotation = Rotation()
+
+    def cost(self, request: RequestFacts, c: Candidate) -> float:
+        """The blend cost of one candidate."""
+        p = self.params
+        return p.prefill_load_scale * prefill_cost(p, c, request.isl) + p.load_weight * c.load_tokens
+
+    def pick(self, request: RequestFacts, candidates: Sequence[Candidate]) -> Candidate:
+        """The candidate with the best score under the configured mode."""
+        p = self.params
+        pool = list(candidates)
+        if p.load_gate_topn and len(pool) > p.load_gate_topn:
+            pool = sorted(pool, key=lambda c: (c.load_tokens, c.instance_id))[: p.load_gate_topn]
+        if p.mode == "load":
+            keys = {c.instance_id: (float(c.load_tokens), c.inflight) for c in pool}
+        elif p.mode == "prefix":
+            keys = {
+                c.instance_id: (-affinity_matched(p, c, request.isl), self.cost(request, c), c.inflight)
+                for c in pool
+            }
+        else:
+            keys = {c.instance_id: (self.cost(request, c), c.inflight) for c in pool}
+        best = min(keys.values())
+        return self._rotation.choose([c for c in pool if keys[c.instance_id] == best])
+
+
+def create(raw: Mapping[str, Any] | None = None) -> KvAffinity:
+    """Factory used by the policy registry."""
+    return KvAffinity(parse_params(Params, raw, TYPE))

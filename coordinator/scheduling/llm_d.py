@@ -1,0 +1,85 @@
+"""`llm_d`: llm-d's default scheduling profile (weighted scorers, max-score picker), for comparison.
+
+As llm-d's endpoint picker scores (`pkg/epp/config/loader/defaults.go` and the scorer plug-ins, 2026), each scorer
+gives a candidate a score in [0, 1], the profile sums `weight * score`, and the highest total wins (ties at random,
+from a generator seeded by `seed`):
+- prefix (`prefix_weight`, default 3): matched blocks / prompt blocks, from the conductor's facts (llm-d's default
+  estimates matches from its own routing history; its precise variant uses KV events, as here);
+- KV utilisation (`kv_utilization_weight`, default 2): `1 - kv_cache_usage`;
+- queue (`queue_weight`, default 2): `(max_waiting - waiting) / (max_waiting - min_waiting)` over the candidates,
+  1 when all are equal. Utilisation and queue come from the engines' `/metrics`, as the agents report them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.params import parse_params
+
+TYPE = "llm_d"
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """llm-d's default weights."""
+
+    prefix_weight: float = 3.0
+    kv_utilization_weight: float = 2.0
+    queue_weight: float = 2.0
+    seed: int = 0
+
+    def check(self) -> str | None:
+        for key in ("prefix_weight", "kv_utilization_weight", "queue_weight"):
+            if getattr(self, key) < 0:
+                return f"{key}: must be >= 0, got {getattr(self, key)}"
+        return None
+
+
+def _clamp(x: float) -> float:
+    return min(1.0, max(0.0, x))
+
+
+class LlmD:
+    """See the module docstring."""
+
+    name = TYPE
+    needs_match = True
+
+    def __init__(self, params: Params = Params()) -> None:
+        self.params = params
+        self._random = random.Random(params.seed)
+
+    def scores(self, request: RequestFacts, candidates: Sequence[Candidate]) -> list[float]:
+        """The weighted total of every candidate."""
+        p = self.params
+        waiting = [c.state.load.waiting for c in candidates]
+        low, high = min(waiting), max(waiting)
+        totals = []
+        for c, q in zip(candidates, waiting, strict=True):
+            blocks = math.ceil(request.isl / c.match.block_size) if request.isl else 0
+            matched = c.match.npu_blocks + c.match.cpu_blocks + c.match.disk_blocks
+            prefix = matched / blocks if blocks else 0.0
+            queue = 1.0 if high == low else (high - q) / (high - low)
+            kv = 1.0 - c.state.load.kv_cache_usage
+            totals.append(
+                p.prefix_weight * _clamp(prefix)
+                + p.kv_utilization_weight * _clamp(kv)
+                + p.queue_weight * _clamp(queue)
+            )
+        return totals
+
+    def pick(self, request: RequestFacts, candidates: Sequence[Candidate]) -> Candidate:
+        """The highest weighted score; ties at random."""
+        totals = self.scores(request, candidates)
+        best = max(totals)
+        return self._random.choice([c for c, t in zip(candidates, totals, strict=True) if t == best])
+
+
+def create(raw: Mapping[str, Any] | None = None) -> LlmD:
+    """Factory used by the policy registry."""
+    return LlmD(parse_params(Params, raw, TYPE))

@@ -1,0 +1,80 @@
+"""`sglang_cache_aware`: SGLang router's `cache_aware` policy, routed by the conductor's facts.
+
+As SGLang's router decides (`sgl-router/src/policies/cache_aware.rs`, 2026), with `load` the requests in flight
+through this coordinator:
+1. If `max_load - min_load > balance_abs_threshold` and `max_load > min_load * balance_rel_threshold` (over all
+   candidates), the load is imbalanced: pick the least-loaded candidate (first in id order on ties).
+2. Otherwise take the candidate with the longest cached prefix; if its match rate `matched_tokens / isl` exceeds
+   `cache_threshold`, pick it.
+3. Otherwise pick the candidate with the smallest cache tree (`below_threshold: smallest_tree`, the classic
+   router): here the fewest prompt tokens routed to it so far, which is what SGLang's per-worker tree counts
+   before eviction; or the least-loaded one (`least_load`, newer gateways).
+SGLang matches characters in its own radix tree; Tandem matches tokens with the conductor's KV facts instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.params import parse_params
+
+TYPE = "sglang_cache_aware"
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """SGLang's defaults."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    below_threshold: Literal["smallest_tree", "least_load"] = "smallest_tree"
+
+    def check(self) -> str | None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            return f"cache_threshold: must be between 0 and 1, got {self.cache_threshold}"
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            return "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1"
+        return None
+
+
+class SglangCacheAware:
+    """See the module docstring."""
+
+    name = TYPE
+    needs_match = True
+
+    def __init__(self, params: Params = Params()) -> None:
+        self.params = params
+        self._tree_tokens: dict[str, int] = {}
+
+    def pick(self, request: RequestFacts, candidates: Sequence[Candidate]) -> Candidate:
+        """Load balance when imbalanced, else cache affinity above the threshold, else the smallest tree."""
+        p = self.params
+        ordered = sorted(candidates, key=lambda c: c.instance_id)
+        loads = [c.inflight for c in ordered]
+        least_loaded = min(ordered, key=lambda c: c.inflight)
+        if (
+            max(loads) - min(loads) > p.balance_abs_threshold
+            and max(loads) > min(loads) * p.balance_rel_threshold
+        ):
+            chosen = least_loaded
+        else:
+            best = max(ordered, key=lambda c: c.match.matched_tokens)
+            rate = best.match.matched_tokens / request.isl if request.isl else 0.0
+            if rate > p.cache_threshold:
+                chosen = best
+            elif p.below_threshold == "least_load":
+                chosen = least_loaded
+            else:
+                chosen = min(ordered, key=lambda c: self._tree_tokens.get(c.instance_id, 0))
+        self._tree_tokens[chosen.instance_id] = self._tree_tokens.get(chosen.instance_id, 0) + request.isl
+        return chosen
+
+
+def create(raw: Mapping[str, Any] | None = None) -> SglangCacheAware:
+    """Factory used by the policy registry."""
+    return SglangCacheAware(parse_params(Params, raw, TYPE))

@@ -1,0 +1,71 @@
+import pytest
+
+from coordinator.scheduling import create_policy
+from coordinator.scheduling.kv_affinity import affinity_matched, prefill_cost
+from tests.coordinator.scheduling.fakes import cand, facts
+
+
+@pytest.mark.parametrize(
+    ("params", "candidate", "isl", "matched", "cost"),
+    [
+        ({}, cand("a", npu=4), 160, 64, 96.0),
+        ({}, cand("a", npu=2, cpu=2, disk=5), 160, 64, 96.0),  # disk credited 0 by default
+        ({"w_disk": 1.0}, cand("a", npu=2, cpu=2, disk=5), 160, 144, 16.0),
+        ({"w_cpu": 0.5}, cand("a", npu=2, cpu=3), 160, 56, 104.0),  # round((2 + 1.5) * 16) = 56
+        ({}, cand("a", npu=20), 160, 160, 0.0),  # capped at the prompt
+        ({"overlap_credit": 0.5}, cand("a", npu=4), 160, 64, 128.0),
+    ],
+)
+def test_formulas(params, candidate, isl, matched, cost):
+    p = create_policy("kv_affinity", params).params
+    assert affinity_matched(p, candidate, isl) == matched
+    assert prefill_cost(p, candidate, isl) == cost
+
+
+@pytest.mark.parametrize(
+    ("params", "candidates", "expected"),
+    [
+        # blend: the holder of the prefix wins while its load is low ...
+        ({}, [cand("a", npu=8), cand("b")], "a"),
+        # ... and loses when its load outweighs the saved prefill (128 saved < 200 queued)
+        ({}, [cand("a", npu=8, decode=200), cand("b")], "b"),
+        ({"load_weight": 0.1}, [cand("a", npu=8, decode=200), cand("b")], "a"),
+        ({"prefill_load_scale": 0.0}, [cand("a", npu=8, decode=5), cand("b")], "b"),
+        # prefix: longest match whatever the load
+        ({"mode": "prefix"}, [cand("a", npu=8, decode=10_000), cand("b", npu=2)], "a"),
+        # load: KV ignored
+        ({"mode": "load"}, [cand("a", npu=8, decode=10), cand("b")], "b"),
+        # gate: only the N least-loaded are scored
+        ({"load_gate_topn": 1}, [cand("a", npu=10, decode=50), cand("b", decode=10)], "b"),
+        (
+            {"load_gate_topn": 2},
+            [cand("a", npu=10, decode=50), cand("b", decode=10), cand("c", decode=90)],
+            "a",
+        ),
+        # cpu hits count, disk hits do not (default weights)
+        ({}, [cand("a", cpu=6), cand("b", disk=9)], "a"),
+    ],
+)
+def test_picks(params, candidates, expected):
+    assert create_policy("kv_affinity", params).pick(facts(), candidates).instance_id == expected
+
+
+def test_mode_load_asks_no_match():
+    assert create_policy("kv_affinity", {"mode": "load"}).needs_match is False
+    assert create_policy("kv_affinity").needs_match is True
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"load_weight": -1}, "kv_affinity.load_weight: must be >= 0"),
+        ({"overlap_credit": 1.5}, "kv_affinity.overlap_credit: must be between 0 and 1"),
+        ({"mode": "fast"}, "kv_affinity.mode: must be one of"),
+        ({"w_npu": "high"}, "kv_affinity.w_npu: must be a number"),
+        ({"load_gate_topn": 1.5}, "kv_affinity.load_gate_topn: must be an integer"),
+        ({"gate": 1}, "kv_affinity.gate: unknown parameter"),
+    ],
+)
+def test_bad_parameters_are_named(params, message):
+    with pytest.raises(ValueError, match=message):
+        create_policy("kv_affinity", params)

@@ -1,0 +1,36 @@
+import pytest
+
+from coordinator.scheduling import create_policy
+from tests.coordinator.scheduling.fakes import cand, facts
+
+
+@pytest.mark.parametrize(
+    ("candidates", "expected"),
+    [
+        # balanced, match rate 64/160 = 0.4 > 0.3: the cache holder
+        ([cand("a", npu=4, inflight=3), cand("b", inflight=0)], "a"),
+        # balanced, match rate 32/160 = 0.2: smallest tree (nothing routed yet: first in id order)
+        ([cand("b", npu=2), cand("a")], "a"),
+        # imbalanced (100 - 10 > 64 and 100 > 15): least loaded, whatever the cache
+        ([cand("a", npu=10, inflight=100), cand("b", inflight=10)], "b"),
+        # a gap of 64 is not more than 64: still balanced
+        ([cand("a", npu=10, inflight=74), cand("b", inflight=10)], "a"),
+        # gap 80 > 64 but 280 <= 200 * 1.5: still balanced
+        ([cand("a", npu=10, inflight=280), cand("b", inflight=200)], "a"),
+    ],
+)
+def test_decisions(candidates, expected):
+    assert create_policy("sglang_cache_aware").pick(facts(isl=160), candidates).instance_id == expected
+
+
+def test_below_threshold_goes_to_the_smallest_tree():
+    policy = create_policy("sglang_cache_aware")
+    cands = [cand("a"), cand("b")]
+    assert policy.pick(facts(isl=1000), cands).instance_id == "a"  # a's tree: 1000 tokens
+    assert policy.pick(facts(isl=10), cands).instance_id == "b"  # b's tree: 10
+    assert policy.pick(facts(isl=10), cands).instance_id == "b"  # b: 20 < 1000
+
+
+def test_below_threshold_least_load_variant():
+    policy = create_policy("sglang_cache_aware", {"below_threshold": "least_load"})
+    assert policy.pick(facts(), [cand("a", inflight=5), cand("b", inflight=2)]).instance_id == "b"

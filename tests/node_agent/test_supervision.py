@@ -1,0 +1,230 @@
+"""Supervision with real processes: crash loop with backoff reported in status, drain, headless, KV store."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import grpc
+import httpx
+import pytest
+
+from bench.harness import free_ports
+from node_agent.app import NodeAgent
+from node_agent.config import NodeAgentConfig, RestartPolicy
+from node_agent.launch import LaunchSpec
+from node_agent.service import NodeAgentService
+from node_agent.supervisor import EngineState, EngineSupervisor, backoff_delay
+from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2, registry_pb2_grpc
+
+
+class FakeRegistry(registry_pb2_grpc.RegistryServicer):
+    """Records what the agent tells the coordinator."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.instances: dict[str, object] = {}
+
+    async def Register(self, request, context):
+        self.events.append(("register", request.instance.instance_id))
+        self.instances[request.instance.instance_id] = request.instance
+        reply = registry_pb2.RegisterResponse()
+        reply.heartbeat_interval.FromMilliseconds(200)
+        return reply
+
+    async def Deregister(self, request, context):
+        self.events.append(("deregister", request.instance_id))
+        return registry_pb2.DeregisterResponse(found=True)
+
+    async def Heartbeat(self, request_iterator, context):
+        async for beat in request_iterator:
+            yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=True)
+
+
+@pytest.fixture
+async def registry():
+    fake = FakeRegistry()
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_RegistryServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    fake.address = f"127.0.0.1:{port}"
+    yield fake
+    await server.stop(0)
+
+
+async def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_backoff_doubles_up_to_the_cap():
+    policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=3)
+    assert [backoff_delay(policy, n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+async def test_crash_loop_backs_off_and_gives_up_reported_in_status(tmp_path):
+    seen: list[tuple[EngineState, str, float]] = []
+    loop = asyncio.get_running_loop()
+
+    async def changed(sup: EngineSupervisor) -> None:
+        seen.append((sup.state, sup.detail, loop.time()))
+
+    crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    policy = RestartPolicy(initial_backoff_s=0.1, max_backoff_s=0.2, max_consecutive_failures=4, stable_after_s=60)
+    sup = EngineSupervisor(None, LaunchSpec("crashy", crash), policy, str(tmp_path / "c.log"), 0.1, 1, changed)
+    sup.start()
+    await wait_for(lambda: sup.state is EngineState.FAILED, 20, "FAILED")
+    backoffs = [(detail, t) for state, detail, t in seen if state is EngineState.BACKOFF]
+    assert [d for d, _ in backoffs] == [
+        "exited with code 3, restart in 0.1s",
+        "exited with code 3, restart in 0.2s",
+        "exited with code 3, restart in 0.2s",
+    ]
+    assert sup.restarts == 3 and sup.last_exit_code == 3
+    assert "4 failures in a row, not restarting" in sup.detail
+    status = (await NodeAgentService("n1", {"crashy": sup}).GetStatus(None, None)).engines[0]
+    assert status.state == node_agent_pb2.ENGINE_STATE_FAILED and status.restarts == 3
+    assert status.last_exit_code == 3 and "not restarting" in status.detail and status.pid == 0
+
+
+def sim_node(tmp_path, registry_address: str, *engine_args: str, **engine_fields) -> NodeAgentConfig:
+    ports = free_ports(3)
+    return NodeAgentConfig(
+        node_id="n1",
+        listen=f"127.0.0.1:{ports[0]}",
+        metrics_listen=f"127.0.0.1:{ports[1]}",
+        runtime_dir=str(tmp_path / "rt"),
+        probe_interval_s=0.2,
+        stop_grace_s=5,
+        restart={"initial_backoff_s": 0.1, "max_backoff_s": 0.2, "max_consecutive_failures": 2},
+        engines=[{"instance_id": "sim-0", "model": "tandem-sim", "port": ports[2], "args": list(engine_args),
+                  "kv_events": False, **engine_fields}],  # fmt: skip
+    )
+
+
+async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_path, registry):
+    config = sim_node(tmp_path, registry.address, "--fault-crash-after", "1", "--speedup", "50")
+    agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+    sup = agent.supervisors["sim-0"]
+    await agent.start()
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            for round_ in range(2):
+                await wait_for(lambda: sup.state is EngineState.RUNNING, 30, f"running (round {round_}) {sup.detail}")
+                for _ in range(2):  # the second request makes simengine exit(1)
+                    try:
+                        await http.post(f"{sup.base_url}/v1/completions", json={"model": "tandem-sim", "prompt": "hi"})
+                    except httpx.HTTPError:
+                        pass
+                await wait_for(lambda: sup.state is not EngineState.RUNNING, 10, "crash noticed")
+        await wait_for(lambda: sup.state is EngineState.FAILED, 20, "FAILED after the limit")
+        assert sup.restarts == 1 and sup.last_exit_code == 1
+        assert registry.events[:3] == [("register", "sim-0"), ("deregister", "sim-0"), ("register", "sim-0")]
+        assert registry.events[-1] == ("deregister", "sim-0")
+    finally:
+        await agent.stop()
+
+
+async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, registry):
+    config = sim_node(tmp_path, registry.address, "--speedup", "4")
+    agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+    sup = agent.supervisors["sim-0"]
+    await agent.start()
+    server = grpc.aio.server()
+    node_agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService("n1", agent.supervisors), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        await wait_for(lambda: ("register", "sim-0") in registry.events, 30, "registration")
+        instance = registry.instances["sim-0"]
+        assert instance.dispatch_capability == 1 and instance.data_parallel_size == 1 and instance.kv_connector == ""
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": "tandem-sim", "prompt": "a long answer please", "max_tokens": 120, "ignore_eos": True}
+            request = asyncio.create_task(http.post(f"{sup.base_url}/v1/completions", json=body))
+            await wait_for(lambda: sup.in_flight > 0 or request.done(), 10, "request in flight")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = node_agent_pb2_grpc.NodeAgentStub(channel)
+                drain = asyncio.create_task(stub.Drain(node_agent_pb2.DrainRequest(instance_id="sim-0"), timeout=60))
+                await wait_for(lambda: ("deregister", "sim-0") in registry.events, 5, "deregistration")
+                assert sup.state is EngineState.DRAINING and not request.done()
+                reply = await drain
+            answer = await request
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 120
+        assert reply.engine.state == node_agent_pb2.ENGINE_STATE_STOPPED and reply.engine.detail.startswith("drained in")
+        assert sup.process.returncode is not None and sup.state is EngineState.STOPPED
+    finally:
+        await server.stop(0)
+        await agent.stop()
+
+
+async def test_drain_timeout_stops_anyway(tmp_path, registry):
+    config = sim_node(tmp_path, registry.address, "--speedup", "1", drain_timeout_s=0.5)
+    agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+    sup = agent.supervisors["sim-0"]
+    await agent.start()
+    try:
+        await wait_for(lambda: sup.state is EngineState.RUNNING, 30, "running")
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": "tandem-sim", "prompt": "x", "max_tokens": 2000, "ignore_eos": True}
+            request = asyncio.create_task(http.post(f"{sup.base_url}/v1/completions", json=body))
+            await wait_for(lambda: sup.in_flight > 0, 10, "request in flight")
+            result = await sup.drain(config.engines[0].drain_timeout_s)
+            with pytest.raises(httpx.HTTPError):
+                await request
+        assert not result.drained and result.in_flight == 1
+        assert "drain timed out" in sup.detail and sup.state is EngineState.STOPPED
+    finally:
+        await agent.stop()
+
+
+async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
+    store_port, *_ = free_ports(1)
+    server = f"import socket,time;s=socket.socket();s.bind(('127.0.0.1',{store_port}));s.listen();time.sleep(60)"
+    ports = free_ports(2)
+    config = NodeAgentConfig(
+        node_id="store",
+        listen=f"127.0.0.1:{ports[0]}",
+        metrics_listen=f"127.0.0.1:{ports[1]}",
+        runtime_dir=str(tmp_path / "rt"),
+        probe_interval_s=0.2,
+        services="kv_store",
+        kv_store={"mode": "separated", "argv": [sys.executable, "-c", server],
+                  "health_address": f"127.0.0.1:{store_port}"},  # fmt: skip
+        engines=[{"instance_id": "never", "model": "m", "port": free_ports(1)[0]}],
+    )
+    agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+    assert list(agent.supervisors) == ["store-kv_store"]  # no engine in separated mode
+    agent.prepare()
+    await agent.start()  # returns once the store accepts connections
+    try:
+        sup = agent.supervisors["store-kv_store"]
+        assert sup.state is EngineState.RUNNING and sup.healthy and not sup.registrable
+        await asyncio.sleep(0.5)
+        assert registry.events == []  # nothing registered
+    finally:
+        await agent.stop()
+    assert agent.supervisors["store-kv_store"].state is EngineState.STOPPED
+
+
+async def test_combined_store_env_reaches_engines_and_missing_binaries_fail_prepare(tmp_path, registry):
+    from node_agent.services import ServiceError
+
+    ports = free_ports(3)
+    config = NodeAgentConfig(
+        node_id="both",
+        listen=f"127.0.0.1:{ports[0]}",
+        metrics_listen=f"127.0.0.1:{ports[1]}",
+        runtime_dir=str(tmp_path / "rt"),
+        services="engine,kv_store",
+        kv_store={"argv": ["no-such-store-binary"], "engine_env": {"MOONCAKE_CONFIG_PATH": "/etc/mooncake.json"}},
+        engines=[{"instance_id": "e", "model": "m", "port": ports[2]}],
+    )
+    agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+    assert [s.name for s in agent.services] == ["kv_store", "engine"]
+    assert agent.supervisors["e"].spec.env == {"MOONCAKE_CONFIG_PATH": "/etc/mooncake.json"}
+    with pytest.raises(ServiceError, match="kv_store: 'no-such-store-binary' not found"):
+        agent.prepare()
