@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> None:
         ("bytes per (block, holder) entry, shared", f"{mem_shared:.0f}", "<= 200", ok(mem_shared <= 200)),
     ]
     print(f"conductor benchmark (seed {args.seed}, block size {BS}, one core)")
-    print(f"{'figure':<60} {'value':>12} {'target':>11}  ok")
+    print(f"{'figure':<72} {'value':>12} {'target':>11}  ok")
     for name, value, target, good in rows:
-        print(f"{name:<60} {value:>12} {target:>11}  {good}")
+        print(f"{name:<72} {value:>12} {target:>11}  {good}")
 
 
 if __name__ == "__main__":

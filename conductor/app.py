@@ -81,5 +81,5 @@ class Conductor:
             await src.stop()
         self.direct = []
         if self.ctx is not None:
-            self.ctx.term()
+            self.ctx.destroy(linger=0)
             self.ctx = None

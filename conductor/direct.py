@@ -7,6 +7,7 @@ Batches go through the same decoder (`tandem.kv_events`) and the same `IngestCor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import zmq
@@ -104,13 +105,13 @@ class DirectSource:
         """Replays from sequence 0 (the engine sends what it buffers); returns the last sequence applied."""
         last = -1
         try:
-            async for seq, payload in replay_batches(
-                self.ctx, self.ep.replay_endpoint or "", 0, self.replay_timeout_s
-            ):
-                b = self._incoming(seq, payload, replayed=True)
-                if b is not None:
-                    self.core.batch(b, self, True)
-                last = seq
+            replies = replay_batches(self.ctx, self.ep.replay_endpoint or "", 0, self.replay_timeout_s)
+            async with contextlib.aclosing(replies):  # closes the DEALER even when cancelled
+                async for seq, payload in replies:
+                    b = self._incoming(seq, payload, replayed=True)
+                    if b is not None:
+                        self.core.batch(b, self, True)
+                    last = seq
         except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
             log.warning("initial replay failed", extra={"instance_id": self.ep.instance_id, "err": str(exc)})
         return last
@@ -120,13 +121,13 @@ class DirectSource:
         ep = self.ep
         first: int | None = None
         try:
-            async for seq, payload in replay_batches(
-                self.ctx, ep.replay_endpoint or "", from_seq, self.replay_timeout_s
-            ):
-                first = seq if first is None else first
-                b = self._incoming(seq, payload, replayed=True)
-                if b is not None:
-                    self.core.batch(b, self, True)
+            replies = replay_batches(self.ctx, ep.replay_endpoint or "", from_seq, self.replay_timeout_s)
+            async with contextlib.aclosing(replies):  # closes the DEALER even when cancelled
+                async for seq, payload in replies:
+                    first = seq if first is None else first
+                    b = self._incoming(seq, payload, replayed=True)
+                    if b is not None:
+                        self.core.batch(b, self, True)
         except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
             log.warning(
                 "replay failed", extra={"instance_id": ep.instance_id, "dp_rank": ep.dp_rank, "err": str(exc)}

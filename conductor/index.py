@@ -227,40 +227,43 @@ class KvIndex:
             if own is None:
                 self.counters.orphan_blocks += len(hashes)
                 return
-        buf = memoryview(token_bytes(tokens))
+        buf = token_bytes(tokens)
         step = bs * 4
+        n_full = n
+        chunks = [buf[p : p + step] for p in range(0, n * step, step)]
         blocks, tier, bit = h.blocks, h.space.tiers[medium], h.bit
-        reject = self.eviction == "reject_new"
-        added_entries = added_medium = 0
-        xxh3 = _xxh3
-        pos = 0
-        for i in range(n):
-            own = xxh3(buf[pos : pos + step], own)
-            pos += step
-            eh = hashes[i]
-            prev = blocks.get(eh)
-            if prev is None:
-                if reject and self.entries + added_entries >= self.max_entries:
-                    self.counters.rejected_entries += n - i
-                    break
-                blocks[eh] = own
-                added_entries += 1
-            elif prev != own:  # the engine reused a hash for other tokens: the old block is gone from h
+        if self.eviction == "reject_new" and self.entries + n > self.max_entries:
+            room = max(0, self.max_entries - self.entries)
+            fresh = [i for i, eh in enumerate(hashes[:n]) if eh not in blocks]
+            if len(fresh) > room:  # keep the chain's first blocks: later ones are useless without them
+                self.counters.rejected_entries += n - fresh[room]
+                n = fresh[room]
+                chunks = chunks[:n]
+        # New entries are counted from the dicts' growth rather than per block (this loop is the ingest rate).
+        blocks_before, tier_before = len(blocks), len(tier)
+        or_added = 0
+        setdefault, get, xxh3 = blocks.setdefault, tier.get, _xxh3
+        for eh, chunk in zip(hashes, chunks, strict=False):  # hashes may outnumber full token blocks
+            own = xxh3(chunk, own)
+            prev = setdefault(eh, own)
+            if prev is not own and prev != own:  # the engine reused a hash for other tokens: old block gone
+                size = len(tier)
                 self._unset_all(h, prev)
+                tier_before -= size - len(tier)
                 blocks[eh] = own
-            m = tier.get(own)
+            m = get(own)
             if m is None:
                 tier[own] = bit  # the shared bit object: no new int for single-holder blocks
-                added_medium += 1
             elif not m & bit:
                 tier[own] = m | bit
-                added_medium += 1
-        self.entries += added_entries
+                or_added += 1
+        added_medium = len(tier) - tier_before + or_added
+        self.entries += len(blocks) - blocks_before
         self.medium_entries[medium] += added_medium
         h.medium_entries[medium] += added_medium
         self.counters.blocks_stored += added_medium
-        if n < len(hashes):
-            self.counters.orphan_blocks += len(hashes) - n  # hashes without a full block of tokens
+        if n_full < len(hashes):
+            self.counters.orphan_blocks += len(hashes) - n_full  # hashes without a full block of tokens
 
     def _store_known(self, h: Holder, hashes: list[int], medium: int) -> None:
         blocks, tier, bit = h.blocks, h.space.tiers[medium], h.bit

@@ -3,9 +3,9 @@
 The walk goes down the prompt's chain hashes once for all holders of a space at the same time: `alive` is the
 bitmask of holders still matching; at each block the three medium masks are read and intersected with it, and
 the walk stops as soon as no holder is left. Each block counts for one medium per holder (NPU, else CPU, else
-disk). Counting per holder would cost O(holders) per block, so the walk keeps runs instead: while the three masks
-stay the same from one block to the next (the usual case, prefixes are shared wholesale) it only counts the run's
-length, and a run is credited to its masks when they change. Holder bits are expanded once at the end.
+disk). Counting per holder at every block would cost O(holders) per block; instead, when the masks stay the same
+from one block to the next (the usual case: prefixes are shared wholesale) the block costs three dict lookups and
+three compares, and where they change only the holders whose state flipped are credited with the run they end.
 """
 
 from __future__ import annotations

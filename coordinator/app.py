@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from coordinator import mesh_health
+from coordinator.attempts import AttemptRegistry
 from coordinator.config_watch import watch_config
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
@@ -17,6 +18,7 @@ from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker, TokenizerCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
+from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
 from tandem.config import MeshConfig
 from tandem.grpc_server import GrpcApp
@@ -58,15 +60,15 @@ def build(mesh: MeshConfig) -> Coordinator:
         tokenizers.get(model.name)
     app = GrpcApp("coordinator", config.listen, config.metrics_listen)
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
-    ext_proc = ExternalProcessor(picker, handoff, config.prefill_budget_s)
+    trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
+    ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
     registry = RegistryService(instances, config)
     admin = AdminService(picker, ext_proc.counters, mesh)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)
     app.add_service("tandem.v1.Admin", admin_pb2_grpc.add_AdminServicer_to_server, admin)
-    app.add_service(
-        "tandem.v1.Metaserver", metaserver_pb2_grpc.add_MetaserverServicer_to_server, MetaserverService()
-    )
+    metaserver = MetaserverService(trigger, config.replica)
+    app.add_service("tandem.v1.Metaserver", metaserver_pb2_grpc.add_MetaserverServicer_to_server, metaserver)
     # Reflection on Envoy's :9000 is answered here, so it describes every service the listener routes.
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
     app.on_stop(handoff.close)

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from coordinator.scheduling import Policy, create_policy, policy_types
 from coordinator.scheduling.params import as_dict
-from tandem.netaddr import split_host_port
+from tandem.netaddr import is_wildcard, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,16 @@ class CoordinatorConfig(BaseModel):
     """Output tokens counted for a completions request without `max_tokens` (vLLM's default is 16)."""
     chat_default_max_tokens: int = Field(default=256, gt=0)
     """Output tokens counted for a chat request without `max_tokens`/`max_completion_tokens`."""
-    pd_mode: Literal["auto", "aggregated", "prefill_handoff_decode"] = "auto"
+    pd_mode: Literal["auto", "aggregated", "prefill_handoff_decode", "concurrent_engine_sync"] = "auto"
     """`aggregated`: hybrid instances only. `prefill_handoff_decode`: prefill first, then decode with the
-    prefill's `kv_transfer_params`. `auto`: P/D when the model has prefill and decode instances, else aggregated."""
+    prefill's `kv_transfer_params`. `concurrent_engine_sync`: decode first; the decode engine calls the metaserver
+    back to start the prefill (vLLM-Ascend layerwise). `auto`: P/D when the model has prefill or decode instances
+    (handoff or trigger by their dispatch capability), else aggregated."""
+    replica: str = Field(default="c0", pattern=r"^[A-Za-z0-9_-]+$")
+    """This coordinator process's name in metaserver callback URLs (`/v1/metaserver/<replica>`)."""
+    metaserver_address: str | None = None
+    """`host:port` decode engines reach the metaserver at (Envoy's gRPC listener, which transcodes the callback);
+    `envoy.grpc_listen` when unset. Never a wildcard; bracket IPv6 literals."""
     prefill_attempts: int = Field(default=2, ge=1)
     """Prefill instances tried for one request in handoff mode before answering 503."""
     prefill_timeout_s: float = Field(default=120.0, gt=0)
@@ -131,6 +138,13 @@ class CoordinatorConfig(BaseModel):
     @classmethod
     def _address(cls, value: str) -> str:
         split_host_port(value)
+        return value
+
+    @field_validator("metaserver_address")
+    @classmethod
+    def _advertised(cls, value: str | None) -> str | None:
+        if value is not None and is_wildcard(split_host_port(value)[0]):
+            raise ValueError(f"{value!r} is a wildcard address; decode engines need one they can reach")
         return value
 
     @property

@@ -23,10 +23,12 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from coordinator import metrics
+from coordinator.attempts import Attempt
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
 from coordinator.openai_request import ROUTED_PATHS
-from coordinator.picker import HANDOFF, Decision, EndpointPicker
+from coordinator.picker import HANDOFF, TRIGGER, Decision, EndpointPicker
+from coordinator.trigger import TriggerCoordinator
 from tandem.logs import request_id_var
 
 log = logging.getLogger(__name__)
@@ -82,21 +84,29 @@ class RequestCounters:
 class _Stream:
     """Per-HTTP-request state: small and typed."""
 
-    __slots__ = ("path", "api", "request_id", "decision")
+    __slots__ = ("path", "api", "request_id", "decision", "attempt")
 
     def __init__(self) -> None:
         self.path = ""
         self.api: str | None = None
         self.request_id = ""
         self.decision: Decision | None = None
+        self.attempt: Attempt | None = None
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """Routes OpenAI requests; answers `/v1/models` and errors itself."""
 
-    def __init__(self, picker: EndpointPicker, handoff: HandoffRunner, prefill_budget_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        picker: EndpointPicker,
+        handoff: HandoffRunner,
+        trigger: TriggerCoordinator | None = None,
+        prefill_budget_s: float = 0.0,
+    ) -> None:
         self.picker = picker
         self.handoff = handoff
+        self.trigger = trigger
         self.counters = RequestCounters()
         budget = Duration()
         budget.FromMilliseconds(int(prefill_budget_s * 1000))
@@ -124,6 +134,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     yield _CONTINUE_RESPONSE_TRAILERS
         finally:
             # Completed, failed, or cut by the client: Envoy ended the stream, the request holds nothing more.
+            if stream.attempt is not None:  # trigger mode: cancels a prefill leg still in flight
+                self.trigger.registry.close(stream.attempt)
             decision = stream.decision
             if decision is not None and self.picker.release(decision.target):
                 metrics.INFLIGHT.dec()
@@ -177,7 +189,14 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         metrics.ROUTED.labels(instance.instance_id).inc()
         metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
         new_body = None
-        if decision.mode == HANDOFF:
+        engine_request_id = stream.request_id
+        if decision.mode == TRIGGER:
+            if self.trigger is None:
+                yield self._reject(OpenAIError(503, "This coordinator has no metaserver for trigger mode."))
+                return
+            stream.attempt, new_body = self.trigger.open(decision, stream.path)
+            engine_request_id = stream.attempt.engine_request_id
+        elif decision.mode == HANDOFF:
             # Envoy waits for this reply while the prefill leg runs: extend its message timer first.
             yield self._extend_timeout
             try:
@@ -187,7 +206,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 return
         metrics.set_workload(self.picker.ledger, instance.instance_id)
         log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
-        headers = [_header(DESTINATION_HEADER, instance.address), _header("x-request-id", stream.request_id)]
+        headers = [_header(DESTINATION_HEADER, instance.address), _header("x-request-id", engine_request_id)]
         mutation = None
         if new_body is not None:
             headers.append(_header("content-length", str(len(new_body))))

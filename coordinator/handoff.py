@@ -68,7 +68,10 @@ class HandoffRunner:
         if self._session is not None:
             await self._session.close()
 
-    async def _send(self, address: str, path: str, body: dict[str, Any], request_id: str) -> Any:
+    async def send(
+        self, address: str, path: str, body: dict[str, Any], request_id: str, want_params: bool = True
+    ) -> Any:
+        """POSTs a prefill leg; returns the answer's `kv_transfer_params` (checked when `want_params`)."""
         url = f"http://{address}{path}"
         try:
             async with self._client().post(url, json=body, headers={"X-Request-Id": request_id}) as resp:
@@ -81,28 +84,37 @@ class HandoffRunner:
             params = json.loads(text).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
-        if not isinstance(params, dict) or not params:
+        if want_params and (not isinstance(params, dict) or not params):
             raise PrefillFailed("the answer carries no kv_transfer_params (is the engine a kv_producer?)")
         return params
 
-    async def run(self, decision: Decision, path: str) -> bytes:
-        """Runs the prefill leg (with retries); returns the body for the decode engine."""
+    async def prefill(self, decision: Decision, path: str, body: dict[str, Any], request_id: str,
+                      want_params: bool = True) -> Any:
+        """Sends a prefill leg to an instance the policy picks, retrying on others up to `attempts`; returns the
+        answer's `kv_transfer_params`. Each instance's workload is released when its leg ends."""
         tried: set[str] = set()
         last = ""
-        body = prefill_body(decision.request.body)
         for _ in range(self.attempts):
             leg = await self.picker.pick_prefill(decision, tried)
             iid = leg.instance.info.instance_id
             tried.add(iid)
             try:
-                params = await self._send(leg.instance.info.address, path, body, decision.request_id)
+                params = await self.send(leg.instance.info.address, path, body, request_id, want_params)
             except PrefillFailed as exc:
                 last = f"{iid}: {exc}"
                 metrics.PREFILL_LEGS.labels("failed").inc()
                 log.warning("prefill leg failed", extra={"instance": iid, "error": str(exc)})
                 continue
             finally:
-                self.picker.release(leg)  # the prefill leg is over, whatever its outcome
+                self.picker.release(leg)  # the leg is over: completed, failed, or cancelled with the request
             metrics.PREFILL_LEGS.labels("ok").inc()
-            return decode_body(decision.request.body, params)
-        raise OpenAIError(503, f"The prefill leg failed on {len(tried)} instance(s); last error: {last}")
+            return params
+        raise PrefillFailed(f"the prefill leg failed on {len(tried)} instance(s); last error: {last}")
+
+    async def run(self, decision: Decision, path: str) -> bytes:
+        """Handoff: runs the prefill leg (with retries); returns the body for the decode engine, or 503."""
+        try:
+            params = await self.prefill(decision, path, prefill_body(decision.request.body), decision.request_id)
+        except PrefillFailed as exc:
+            raise OpenAIError(503, f"The {exc}") from None
+        return decode_body(decision.request.body, params)

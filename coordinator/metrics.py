@@ -29,3 +29,4 @@ MATCH_FALLBACKS = Counter(
     ["reason"],
 )
 PREFILL_LEGS = Counter("tandem_coordinator_prefill_legs", "Prefill legs sent in P/D handoff", ["outcome"])
+CALLBACKS = Counter("tandem_coordinator_metaserver_callbacks", "Metaserver callbacks by outcome", ["outcome"])

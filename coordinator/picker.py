@@ -6,7 +6,9 @@ Pure core apart from the awaited conductor match: the ext_proc shell feeds it by
 Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has prefill or decode instances):
 - aggregated: one hybrid instance, chosen by the configured policy;
 - prefill_handoff_decode: a decode instance chosen by load (its KV arrives from the prefill engine), and a
-  prefill instance chosen by the configured policy for each prefill attempt (`pick_prefill`).
+  prefill instance chosen by the configured policy for each prefill attempt (`pick_prefill`);
+- concurrent_engine_sync (trigger): the same picks, but the prefill instance is chosen when the decode engine
+  calls the metaserver back.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 
 AGGREGATED = "aggregated"
 HANDOFF = "prefill_handoff_decode"
+TRIGGER = "concurrent_engine_sync"
+_MODE_OF_DISPATCH = {"handoff": HANDOFF, "trigger": TRIGGER}
 
 
 @dataclass(slots=True)
@@ -103,11 +107,21 @@ class EndpointPicker:
         return understand(api, body, self.tokenizers.get(model), default_max)
 
     def mode_of(self, model: str) -> str:
-        """The serving mode of `model` under `pd_mode`."""
+        """The serving mode of `model`: `pd_mode`, or under `auto` what its instances' roles and dispatch
+        capabilities say; 503 when its P/D instances mix handoff-only and trigger-only capability."""
+        pd = [s for s in self.instances.serving(model) if s.info.role != "hybrid"]
+        kinds = {s.info.dispatch for s in pd}
+        if {"handoff", "trigger"} <= kinds:
+            raise OpenAIError(
+                503,
+                f"The instances of `{model}` mix handoff-only and trigger-only P/D capability; the coordinator "
+                "cannot pair them. Give every prefill and decode instance of a model the same connector kind.",
+            )
         if self.config.pd_mode != "auto":
             return self.config.pd_mode
-        disaggregated = any(s.info.role != "hybrid" for s in self.instances.serving(model))
-        return HANDOFF if disaggregated else AGGREGATED
+        if not pd:
+            return AGGREGATED
+        return _MODE_OF_DISPATCH.get(next(iter(kinds)), HANDOFF) if len(kinds) == 1 else HANDOFF
 
     def _routable(self, model: str, role: str) -> list[InstanceState]:
         return [s for s in self.instances.serving(model) if s.routable and s.info.role == role]
@@ -132,8 +146,10 @@ class EndpointPicker:
         if not policy.needs_match or self.matcher is None:
             return None
         ids = [s.info.instance_id for s in states]
+        sizes = {s.info.block_size for s in states}
+        block_size = sizes.pop() if len(sizes) == 1 else 0  # mixed block sizes: let the conductor hash
         # One lookup per request: the first prompt (multi-prompt completions are scored on it).
-        return await self.matcher.match(request_id, request.model, request.prompts[0], ids)
+        return await self.matcher.match(request_id, request.model, request.prompts[0], ids, block_size)
 
     def _commit(self, state: InstanceState, prefill: int, decode: int, context: int) -> Commitment:
         return self.ledger.commit(state.info.instance_id, prefill, decode, context)
@@ -155,8 +171,7 @@ class EndpointPicker:
             matched = min(chosen.match.matched_tokens, isl)
             leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, out, isl + out), chosen.match)
             return Decision(request, request_id, mode, leg)
-        self._check_disaggregated(model)
-        if len(request.prompts) > 1:
+        if mode == HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
                 400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
             )
@@ -169,22 +184,6 @@ class EndpointPicker:
         decode = self._decode_policy.pick(facts, self._candidates(decodes, None))
         leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out))
         return Decision(request, request_id, mode, leg)
-
-    def _check_disaggregated(self, model: str) -> None:
-        pd = [s for s in self.instances.serving(model) if s.routable and s.info.role != "hybrid"]
-        kinds = {s.info.dispatch for s in pd}
-        if {"handoff", "trigger"} <= kinds:
-            raise OpenAIError(
-                503,
-                f"The instances of `{model}` mix handoff-only and trigger-only P/D capability; the coordinator "
-                "cannot pair them. Give every prefill and decode instance of a model the same connector kind.",
-            )
-        if kinds == {"trigger"}:
-            raise OpenAIError(
-                503,
-                f"The instances of `{model}` serve decode-first trigger mode (concurrent_engine_sync), which this "
-                "coordinator does not run yet.",
-            )
 
     async def pick_prefill(self, decision: Decision, exclude: set[str]) -> Leg:
         """A prefill instance for the next attempt, not one of `exclude`; 503 when none is left."""

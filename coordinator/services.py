@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -10,12 +12,22 @@ import yaml
 from google.protobuf.duration_pb2 import Duration
 
 from coordinator import metrics
+from coordinator.attempts import PrefillLegFailed, UnknownAttempt
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
 from coordinator.ext_proc import RequestCounters
 from coordinator.instances import Health, InstanceTable
 from coordinator.picker import EndpointPicker
-from tandem.v1 import admin_pb2, admin_pb2_grpc, metaserver_pb2_grpc, registry_pb2, registry_pb2_grpc
+from coordinator.trigger import TriggerCoordinator
+from tandem.logs import request_id_var
+from tandem.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    metaserver_pb2,
+    metaserver_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,14 +147,37 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
 
 class MetaserverService(metaserver_pb2_grpc.MetaserverServicer):
-    """Decode-first trigger callbacks: implemented with `pd_mode: concurrent_engine_sync` (issue 6)."""
+    """Decode-first trigger callbacks (`concurrent_engine_sync`), reached through Envoy's JSON transcoding."""
 
-    async def Trigger(self, request, context):
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "Metaserver.Trigger is not implemented yet: decode-first trigger mode (concurrent_engine_sync) "
-            "arrives with its own issue",
-        )
+    def __init__(self, trigger: TriggerCoordinator, replica: str) -> None:
+        self.trigger = trigger
+        self.replica = replica
+
+    async def Trigger(self, request: metaserver_pb2.TriggerRequest, context) -> metaserver_pb2.TriggerResponse:
+        request_id_var.set(request.request_id)
+        if request.replica and request.replica != self.replica:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"callback for coordinator {request.replica!r} reached {self.replica!r}; no attempt here",
+            )
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:
+            await self.trigger.callback(request)
+        except UnknownAttempt as exc:
+            metrics.CALLBACKS.labels("unknown").inc()
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except PrefillLegFailed as exc:
+            metrics.CALLBACKS.labels("failed").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except asyncio.CancelledError:
+            # The decode engine gave up on this callback: the attempt stops (its prefill leg is cancelled).
+            metrics.CALLBACKS.labels("cancelled").inc()
+            with contextlib.suppress(UnknownAttempt):
+                self.trigger.registry.close(self.trigger.registry.find(request.request_id))
+            raise
+        metrics.CALLBACKS.labels("ok").inc()
+        return metaserver_pb2.TriggerResponse(status="ok")
 
 
 def config_as_yaml(config) -> str:

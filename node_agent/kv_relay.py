@@ -333,14 +333,14 @@ class KvEventRelay:
             last = -1
             try:
                 if src.replay_endpoint:
-                    async for seq, payload in replay_batches(
-                        self.ctx, src.replay_endpoint, from_seq, self.replay_timeout_s
-                    ):
-                        first = seq if first is None else first
-                        req = self._to_request(src, seq, payload, replayed=True)
-                        if req is not None:
-                            await self._out.put(req)  # back-pressure: live batches are held meanwhile
-                            last = seq
+                    replies = replay_batches(self.ctx, src.replay_endpoint, from_seq, self.replay_timeout_s)
+                    async with contextlib.aclosing(replies):  # closes the DEALER even when cancelled
+                        async for seq, payload in replies:
+                            first = seq if first is None else first
+                            req = self._to_request(src, seq, payload, replayed=True)
+                            if req is not None:
+                                await self._out.put(req)  # back-pressure: live batches are held meanwhile
+                                last = seq
             except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
                 log.warning("replay failed", extra={"instance_id": src.instance_id, "err": str(exc)})
                 first = None

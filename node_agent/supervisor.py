@@ -72,12 +72,25 @@ def backoff_delay(policy: RestartPolicy, consecutive_failures: int) -> float:
     return min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** max(0, consecutive_failures - 1))
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the agent dies, so that no engine outlives a killed agent (Linux)."""
-    with contextlib.suppress(Exception):
+def _load_prctl():
+    """libc's prctl, resolved here in the parent: the child of a threaded agent (gRPC threads) must not import or
+    dlopen anything between fork and exec (doing so crashed children with SIGSEGV under load)."""
+    try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the agent dies, so that no engine outlives a killed agent (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 @dataclass(slots=True)

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
 from node_agent.config import NodeAgentConfig
-from tandem.netaddr import split_host_port
+from tandem.netaddr import is_wildcard, split_host_port
 
 
 class ConfigError(Exception):
@@ -71,6 +71,21 @@ class MeshConfig(BaseModel):
     path: str = Field(default="", exclude=True)
     """The file the config came from (set by `load_mesh_config`)."""
 
+    @model_validator(mode="after")
+    def _metaserver_reachable(self) -> MeshConfig:
+        if self.coordinator.metaserver_address is None and is_wildcard(split_host_port(self.envoy.grpc_listen)[0]):
+            raise ValueError(
+                "coordinator.metaserver_address: required when envoy.grpc_listen is a wildcard address "
+                "(decode engines must be given an address they can reach)"
+            )
+        return self
+
+    @property
+    def metaserver_url(self) -> str:
+        """The callback URL decode engines get in trigger mode; it names this coordinator process."""
+        address = self.coordinator.metaserver_address or self.envoy.grpc_listen
+        return f"http://{address}/v1/metaserver/{self.coordinator.replica}"
+
     def tokenizer_for(self, model: str) -> str | None:
         """The tokenizer directory of `model`, None for the built-in tokenizer."""
         return next((m.tokenizer for m in self.models if m.name == model), None)
@@ -109,7 +124,8 @@ def parse_mesh_config(data: Any, path: str = "<config>") -> MeshConfig:
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown key"
-        raise ConfigError(f"{path}: {_location(err['loc'])}: {message}") from None
+        where = f"{_location(err['loc'])}: " if err["loc"] else ""
+        raise ConfigError(f"{path}: {where}{message}") from None
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     config.path = path

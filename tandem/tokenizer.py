@@ -281,27 +281,25 @@ class HFTokenizer:
         template = self.chat_template
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if template:
-            try:
-                import jinja2
-            except ImportError:
-                jinja2 = None
-            if jinja2 is not None:
-                if self._jinja is None:
-                    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-                    env.globals["raise_exception"] = _raise
-                    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent)
-                    self._jinja = env.from_string(template)
-                for m in messages:
-                    _content_text(m.get("content"))  # validates
-                return self._jinja.render(
-                    messages=messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    bos_token=self.bos_token or "",
-                    eos_token=self.eos_token,
-                )
-        return render_chatml(messages, tools, add_generation_prompt)
+        if not template:
+            return render_chatml(messages, tools, add_generation_prompt)
+        if self._jinja is None:
+            # As Hugging Face renders chat templates: a sandbox, trimmed blocks, non-ASCII kept by `tojson`.
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+            self._jinja = env.from_string(template)
+        for m in messages:
+            _content_text(m.get("content"))  # validates
+        return self._jinja.render(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token,
+        )
 
 
 def _raise(message: str) -> None:

@@ -123,12 +123,16 @@ async def test_ingest_match_stats_end_to_end(server):
 async def test_agent_stream_ending_mid_replay_clears_that_rank(server):
     conductor, stub, _ = server
     ingest = stub.Ingest()
+    bad = batch("z", 0, [stored([1], None, PROMPT[:4])])
+    bad.batch.block_size = 0  # rejected, counted, the stream carries on
+    await ingest.write(bad)
     await ingest.write(batch("a", 0, [stored([1, 2], None, PROMPT[:8])]))
     await ingest.write(batch("a", 5, []))
     assert (await ingest.read()).replay.from_sequence == 1
     await ingest.done_writing()
     s = await wait_stats(stub, lambda s: s.clears == 1)
-    assert s.npu_blocks == 0
+    assert s.npu_blocks == 0 and s.instances == 0
+    assert conductor.service.rejected_batches == 1
 
 
 def test_metrics_collector_exposes_figures():

@@ -5,9 +5,13 @@ import json
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from coordinator.attempts import AttemptRegistry
 from coordinator.ext_proc import DESTINATION_HEADER, ExternalProcessor
 from coordinator.handoff import HandoffRunner
+from coordinator.trigger import TriggerCoordinator
 from tests.coordinator.test_picker import make_picker
+
+URL = "http://127.0.0.1:9000/v1/metaserver/c0"
 
 
 def headers(
@@ -42,7 +46,8 @@ async def exchange(processor: ExternalProcessor, *messages: ep.ProcessingRequest
 
 
 def processor_for(picker) -> ExternalProcessor:
-    return ExternalProcessor(picker, HandoffRunner(picker, 5.0, 2), 15.0)
+    runner = HandoffRunner(picker, 5.0, 2)
+    return ExternalProcessor(picker, runner, TriggerCoordinator(runner, AttemptRegistry(), URL), 15.0)
 
 
 def set_headers(reply: ep.ProcessingResponse) -> dict[str, str]:

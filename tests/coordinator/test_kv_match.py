@@ -68,7 +68,9 @@ async def test_match_reports_per_medium_hits_of_the_best_rank(conductor_address)
             break
         await asyncio.sleep(0.02)
     hits = await matcher.match("r1", "m", PROMPT, ["i0", "i1", "i2"])
+    by_hashes = await matcher.match("r2", "m", PROMPT, ["i0", "i1", "i2"], block_size=BS)
     await matcher.close()
+    assert by_hashes == hits  # chain hashes computed here, or tokens hashed by the conductor: same answer
     assert hits["i1"] == KvMatch(2, 0, 0, BS)
     assert hits["i0"] == KvMatch(5, 2, 0, BS)
     assert "i2" not in hits

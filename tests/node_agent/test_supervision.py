@@ -110,6 +110,13 @@ async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_pa
     config = sim_node(tmp_path, registry.address, "--fault-crash-after", "1", "--speedup", "50")
     agent = NodeAgent(config, registry.address, "127.0.0.1:1")
     sup = agent.supervisors["sim-0"]
+    orig = sup.on_change
+    import time
+    t0 = time.time()
+    async def changed(s):
+        print(f"{time.time()-t0:.3f}", s.state.name, s.detail, s.process.pid if s.process else None, s.last_exit_code)
+        await orig(s)
+    sup.on_change = changed
     await agent.start()
     try:
         async with httpx.AsyncClient(timeout=10) as http:
@@ -117,9 +124,10 @@ async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_pa
                 await wait_for(lambda: sup.state is EngineState.RUNNING, 30, f"running (round {round_}) {sup.detail}")
                 for _ in range(2):  # the second request makes simengine exit(1)
                     try:
-                        await http.post(f"{sup.base_url}/v1/completions", json={"model": "tandem-sim", "prompt": "hi"})
-                    except httpx.HTTPError:
-                        pass
+                        x = await http.post(f"{sup.base_url}/v1/completions", json={"model": "tandem-sim", "prompt": "hi"})
+                        print(time.time()-t0, x.status_code)
+                    except httpx.HTTPError as e:
+                        print(time.time()-t0, repr(e))
                 await wait_for(lambda: sup.state is not EngineState.RUNNING, 10, "crash noticed")
         await wait_for(lambda: sup.state is EngineState.FAILED, 20, "FAILED after the limit")
         assert sup.restarts == 1 and sup.last_exit_code == 1

@@ -1,0 +1,97 @@
+"""Trace arrivals for the fleet simulator: Mooncake rows, time-compressed, tiled into independent copies.
+
+A fleet of N instances is fed `copies` copies of the trace whose hash ids are disjoint (copy c adds
+`c * HASH_STRIDE` to every id), so prefix sharing stays within a copy, as between independent user populations,
+while the load per instance stays that of the base configuration. Prompt tokens are made on arrival from the hash
+ids exactly as `bench.trace` makes them (same tokens for copy 0), and dropped when the request finishes, so that
+a 512-instance replay does not hold every prompt in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from bench.trace import TRACE_BLOCK, find_trace
+
+#: Offset between the hash ids of two copies of the trace (larger than any id in the traces).
+HASH_STRIDE = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request of the replay, in simulated seconds."""
+
+    at_s: float  # arrival time
+    hash_ids: tuple[int, ...]  # 512-token prefix blocks (already offset for its copy)
+    input_len: int  # prompt tokens (after the cap)
+    output_len: int  # output tokens (after the cap)
+    key: int  # unique, seeds the request's tail tokens
+
+
+def load_rows(name: str, limit: int, max_input: int = 0, max_output: int = 0) -> list[dict]:
+    """The first `limit` rows of a trace, lengths capped."""
+    rows = []
+    with open(find_trace(name)) as f:
+        for line in f:
+            if len(rows) >= limit:
+                break
+            row = json.loads(line)
+            if max_input:
+                row["input_length"] = min(row["input_length"], max_input)
+            row["output_length"] = max(1, row["output_length"])
+            if max_output:
+                row["output_length"] = min(row["output_length"], max_output)
+            rows.append(row)
+    return rows
+
+
+def arrivals(rows: list[dict], rate_scale: float, copies: int = 1, seed: int = 0) -> list[Arrival]:
+    """Arrivals of `copies` copies of `rows`, timestamps divided by `rate_scale`; copy 0 keeps its exact times,
+    every other copy is shifted by a seeded offset of up to two mean inter-arrival gaps."""
+    if not rows:
+        return []
+    span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000 / rate_scale
+    gap = span / max(len(rows) - 1, 1)
+    rng = random.Random(seed)
+    out: list[Arrival] = []
+    for c in range(copies):
+        shift = 0.0 if c == 0 else rng.uniform(0.0, 2.0 * gap)
+        offset = c * HASH_STRIDE
+        for i, row in enumerate(rows):
+            blocks = tuple(h + offset for h in row["hash_ids"][: -(-row["input_length"] // TRACE_BLOCK)])
+            at = row["timestamp"] / 1000 / rate_scale + shift
+            out.append(Arrival(at, blocks, row["input_length"], row["output_length"], c * len(rows) + i))
+    out.sort(key=lambda a: (a.at_s, a.key))
+    return out
+
+
+class PromptSource:
+    """Token ids of an arrival's prompt: each hash id always gives the same 512 tokens (as `bench.trace`); the
+    tokens after the last full block come from a generator seeded by (seed, request key)."""
+
+    def __init__(self, vocab: int, seed: int = 0, cache_blocks: int = 200_000) -> None:
+        self.vocab = vocab
+        self.seed = seed
+        self.cache_blocks = cache_blocks
+        self._blocks: dict[int, list[int]] = {}
+
+    def _block(self, hash_id: int) -> list[int]:
+        tokens = self._blocks.get(hash_id)
+        if tokens is None:
+            if len(self._blocks) >= self.cache_blocks:
+                self._blocks.clear()  # bounded memory; blocks are re-made identically when needed again
+            rng = random.Random(hash_id * 7919 + 17)
+            tokens = self._blocks[hash_id] = [rng.randrange(self.vocab) for _ in range(TRACE_BLOCK)]
+        return tokens
+
+    def tokens(self, a: Arrival) -> list[int]:
+        prompt: list[int] = []
+        for h in a.hash_ids:
+            prompt.extend(self._block(h))
+        del prompt[a.input_len :]
+        if len(prompt) < a.input_len:
+            rng = random.Random(self.seed * 1_000_003 + a.key)
+            prompt.extend(rng.randrange(self.vocab) for _ in range(a.input_len - len(prompt)))
+        return prompt
