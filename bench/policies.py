@@ -1,28 +1,33 @@
-"""Policy comparison: a Mooncake trace replayed through the real mesh with simulated engines, per policy.
+"""Policy comparison: a Mooncake trace replayed through the real mesh with simulated engines, per policy, and
+through the peer routers (`sglang-router`, `vllm-router`) in their cache-aware modes on the same engines.
 
-    python -m bench.policies [--trace conversation] [--requests 200] [--engines 4] [--speedup 8] ...
+    python -m bench.policies [--trace conversation] [--requests 300] [--engines 4] [--rate 1.25] [--speedup 10]
 
-Every policy gets a fresh mesh (same engines, same empty caches, same seeded trace), so the rows differ only by
-the policy. Printed per policy: TTFT p50/p90/p99 and mean, share of requests within the TTFT SLO, output tokens/s,
-and the engines' prefix-cache hit rate (`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`).
-Writes a markdown table and a PNG plot when `--output-dir` is given.
+Every row gets a fresh mesh (same engines, same empty caches, same seeded trace), so the rows differ only by the
+router. Load: arrivals are compressed `--rate` times in simulated time (the engines run `--speedup` times faster
+than their profile, so wall-clock arrivals are compressed `rate * speedup` times). Printed per row: TTFT
+p50/p90/p99 and mean (simulated ms), the share of requests within the TTFT SLO, output tokens/s (simulated), and
+the engines' prefix-cache hit rate (`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from bench.engines import prefix_totals
+from bench.engines import engine_counters, prefix_totals
 from bench.harness import mesh_config
+from bench.peers import PEERS, start_peer
 from bench.replay import ReplayResult, replay
 from bench.trace import load_trace
 from tandem.config import parse_mesh_config
@@ -30,121 +35,204 @@ from tandem.tokenizer import load_tokenizer
 from tandem.up import Mesh
 from tandem.version import __version__
 
-#: (label, scheduler section): the peers' policies with their defaults, and Tandem's.
-POLICIES: dict[str, dict] = {
-    "round_robin": {"policy": "round_robin"},
-    "least_load": {"policy": "least_load"},
-    "sglang_cache_aware": {"policy": "sglang_cache_aware"},
-    "llm_d": {"policy": "llm_d"},
-    "dynamo": {"policy": "dynamo"},
-    "kv_affinity": {"policy": "kv_affinity"},
-    "kv_affinity_tuned": {
-        "policy": "kv_affinity_tuned",
-        "policies": [{"name": "kv_affinity_tuned", "type": "kv_affinity", "params": {"load_weight": 0.5}}],
-    },
-}
+#: Parameters of "kv_affinity_tuned", from the fleet simulator's sweep (`python -m bench.fleet sweep`).
+TUNED_FILE = Path(__file__).with_name("tuned_kv_affinity.json")
+DEFAULT_TUNED = {"load_weight": 0.25}
 
 
-def run_policy(label: str, scheduler: dict, args, requests, workdir: Path) -> tuple[ReplayResult, float]:
-    """One fresh mesh, one replay; returns the result and the prefix hit rate."""
+def tuned_params() -> dict:
+    """The tuned kv_affinity parameters (the sweep's last result when present)."""
+    if TUNED_FILE.exists():
+        return json.loads(TUNED_FILE.read_text())["params"]
+    return dict(DEFAULT_TUNED)
+
+
+def scheduler_sections() -> dict[str, dict]:
+    """(label -> coordinator scheduler section): Tandem's policies, peers' re-implementations included."""
+    return {
+        "round_robin": {"policy": "round_robin"},
+        "least_load": {"policy": "least_load"},
+        "sglang_cache_aware": {"policy": "sglang_cache_aware"},
+        "llm_d": {"policy": "llm_d"},
+        "dynamo": {"policy": "dynamo"},
+        "kv_affinity": {"policy": "kv_affinity"},
+        "kv_affinity_tuned": {
+            "policy": "kv_affinity_tuned",
+            "policies": [{"name": "kv_affinity_tuned", "type": "kv_affinity", "params": tuned_params()}],
+        },
+    }
+
+
+PEER_ROWS = ["sglang-router cache_aware", "vllm-router cache_aware"]
+ALL_ROWS = [*scheduler_sections(), *PEER_ROWS]
+
+
+@dataclass
+class Row:
+    """One router's replay."""
+
+    label: str
+    result: ReplayResult
+    hit_rate: float
+    fallbacks: float = 0.0  # requests the coordinator scored on load alone (conductor Match timed out)
+
+
+def run_row(label: str, args, requests, workdir: Path, progress=None) -> Row:
+    """One fresh mesh (and peer router for a peer row), one replay."""
     engine_args = ["--speedup", str(args.speedup), "--npu-blocks", str(args.npu_blocks)]
     config = mesh_config(engines=args.engines, engine_args=engine_args)
-    config["coordinator"]["scheduler"] = scheduler
+    sections = scheduler_sections()
+    if label in sections:
+        config["coordinator"]["scheduler"] = sections[label]
     config["envoy"]["log_level"] = "error"
-    path = workdir / f"{label}.yaml"
+    slug = label.replace(" ", "-")
+    path = workdir / f"{slug}.yaml"
     path.write_text(yaml.safe_dump(config))
-    mesh = Mesh(parse_mesh_config(config, str(path)), str(path), workdir / f"run-{label}")
+    mesh = Mesh(parse_mesh_config(config, str(path)), str(path), workdir / f"run-{slug}")
     engines = [f"127.0.0.1:{e['port']}" for e in config["node_agents"][0]["engines"]]
+    peer = None
     try:
         mesh.start()
         missing = mesh.wait_for_engines(60)
         if missing:
             raise RuntimeError(f"engines not healthy: {missing}")
+        if label in PEERS:
+            peer = start_peer(label, engines, workdir)
+            url = f"{peer.url}/v1/completions"
+        else:
+            url = f"http://{config['envoy']['http_listen']}/v1/completions"
         q0, h0 = prefix_totals(engines)
-        url = f"http://{config['envoy']['http_listen']}/v1/completions"
-        result = asyncio.run(replay(url, "tandem-sim", requests))
+        result = asyncio.run(replay(url, "tandem-sim", requests, progress))
         q1, h1 = prefix_totals(engines)
+        fallbacks = 0.0
+        if peer is None:
+            name = "tandem_coordinator_match_fallbacks_total"
+            fallbacks = engine_counters(config["coordinator"]["metrics_listen"], (name,))[name]
     finally:
+        if peer is not None:
+            peer.stop()
         mesh.stop()
-    return result, (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
+    return Row(label, result, (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan"), fallbacks)
 
 
-def plot(rows: list[tuple[str, ReplayResult, float]], path: Path) -> None:
-    """TTFT p50/p90/p99 per policy as grouped bars."""
+def plot(rows: list[Row], speedup: float, path: Path) -> None:
+    """TTFT p50/p90/p99 per row as grouped bars (simulated ms)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r[0] for r in rows]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.27
     for i, q in enumerate((50, 90, 99)):
-        values = [r[1].pct(r[1].ttft_s, q) * 1000 for r in rows]
+        values = [r.result.pct(r.result.ttft_s, q) * speedup * 1000 for r in rows]
         ax.bar([x + (i - 1) * width for x in range(len(rows))], values, width, label=f"p{q}")
-    ax.set_xticks(range(len(rows)), labels, rotation=20)
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("TTFT per policy, same engines and trace")
+    ax.set_xticks(range(len(rows)), [r.label.replace(" ", "\n") for r in rows], fontsize=8)
+    ax.set_ylabel("TTFT (simulated ms)")
+    ax.set_title("TTFT per router, same engines and trace")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(rows: list[Row], args, n_requests: int) -> str:
+    """The markdown table with its caption."""
+    k = args.speedup * 1000
+    lines = [
+        f"Trace replay: {args.trace} trace, first {n_requests} requests (inputs <= {args.max_input} tokens, "
+        f"outputs <= {args.max_output}), arrivals x{args.rate:g} in simulated time, {args.engines} simengine "
+        f"engines (ascend-910b profile, speedup {args.speedup:g}, {args.npu_blocks} NPU blocks of 16 tokens), "
+        f"seed {args.seed}. TTFT in simulated ms; SLO {args.ttft_slo_ms:g} ms. tandem {__version__}, "
+        f"{platform.machine()} {os.cpu_count()} cores.",
+        "",
+        "| router / policy | TTFT p50 | p90 | p99 | mean | within SLO | output tok/s | prefix hit rate | errors | Match fallbacks |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        r = row.result
+        mean = statistics.fmean(r.ttft_s) * k if r.ttft_s else float("nan")
+        tps = r.output_tokens / r.wall_s / args.speedup if r.wall_s else float("nan")
+        lines.append(
+            f"| {row.label} | {r.pct(r.ttft_s, 50) * k:.0f} | {r.pct(r.ttft_s, 90) * k:.0f} "
+            f"| {r.pct(r.ttft_s, 99) * k:.0f} | {mean:.0f} | {r.slo_share(args.ttft_slo_ms / k):.0%} "
+            f"| {tps:.0f} | {row.hit_rate:.1%} | {r.errors} | {row.fallbacks:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict(rows: list[Row]) -> str:
+    """Whether kv_affinity_tuned beats every other row on mean and p99 TTFT."""
+    by = {r.label: r.result for r in rows}
+    tuned = by.get("kv_affinity_tuned")
+    if tuned is None or not tuned.ttft_s:
+        return ""
+    mean_t, p99_t = statistics.fmean(tuned.ttft_s), tuned.pct(tuned.ttft_s, 99)
+    lost = [
+        label
+        for label, r in by.items()
+        if label not in ("kv_affinity_tuned", "kv_affinity")
+        and r.ttft_s
+        and (statistics.fmean(r.ttft_s) <= mean_t or r.pct(r.ttft_s, 99) <= p99_t)
+    ]
+    if not lost:
+        return "kv_affinity_tuned has the lowest mean and p99 TTFT of every peer policy and peer router here."
+    return (
+        "kv_affinity_tuned does not beat every peer on both mean and p99 TTFT here; as good or better on at least "
+        f"one of the two: {', '.join(lost)}."
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default="conversation", help="conversation, synthetic, or a path")
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--rate", type=float, default=1.25, help="arrival compression in simulated time")
+    parser.add_argument(
+        "--time-scale", type=float, help="wall-clock arrival compression (overrides --rate: rate = it / speedup)"
+    )
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--speedup", type=float, default=10.0, help="simengine --speedup")
+    parser.add_argument("--npu-blocks", type=int, default=16384, help="KV blocks per engine (16 tokens each)")
+    parser.add_argument("--max-input", type=int, default=8192, help="cap prompt tokens (0: none)")
+    parser.add_argument("--max-output", type=int, default=64, help="cap output tokens (0: none)")
+    parser.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="TTFT SLO, in simulated time")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--trace", default="conversation", help="conversation, synthetic, or a path")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--time-scale", type=float, default=8.0, help="arrivals compressed by this factor")
-    parser.add_argument("--engines", type=int, default=4)
-    parser.add_argument("--speedup", type=float, default=8.0, help="simengine --speedup (match --time-scale)")
-    parser.add_argument("--npu-blocks", type=int, default=2048, help="KV blocks per engine (16 tokens each)")
-    parser.add_argument("--max-input", type=int, default=8192, help="cap prompt tokens (0: none)")
-    parser.add_argument("--max-output", type=int, default=64, help="cap output tokens (0: none)")
-    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="TTFT SLO, in simulated time")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
-    parser.add_argument("--seed", type=int, default=0)
+    add_arguments(parser)
+    parser.add_argument("--policies", nargs="+", default=ALL_ROWS, choices=ALL_ROWS, metavar="ROW")
     parser.add_argument("--output-dir", help="write policies.md and policies.png here")
     args = parser.parse_args(argv)
+    if args.time_scale:
+        args.rate = args.time_scale / args.speedup
 
-    vocab = load_tokenizer(None).vocab_size
+    from tqdm import tqdm
+
     requests = load_trace(
-        args.trace, args.requests, args.time_scale, vocab, args.seed, args.max_input, args.max_output
+        args.trace,
+        args.requests,
+        args.rate * args.speedup,
+        load_tokenizer(None),
+        args.seed,
+        args.max_input,
+        args.max_output,
     )
     workdir = Path(tempfile.mkdtemp(prefix="tandem-policies-"))
     rows = []
     for label in args.policies:
-        print(f"policy {label}: replaying {len(requests)} requests", file=sys.stderr, flush=True)
-        result, hit_rate = run_policy(label, POLICIES[label], args, requests, workdir)
-        rows.append((label, result, hit_rate))
-
-    # TTFTs are measured in wall time; the engines run `speedup` times faster than the profile, so simulated
-    # time is wall time * speedup.
-    k = args.speedup * 1000
-    lines = [
-        f"Policy comparison: {args.trace} trace, first {len(requests)} requests (inputs <= {args.max_input} tokens, "
-        f"outputs <= {args.max_output}), arrivals / {args.time_scale:g}, {args.engines} simengine engines "
-        f"(speedup {args.speedup:g}, {args.npu_blocks} NPU blocks each). TTFT in simulated ms. tandem {__version__}, "
-        f"{platform.machine()} {os.cpu_count()} cores.",
-        "",
-        "| policy | TTFT p50 | p90 | p99 | mean | within SLO | output tok/s | prefix hit rate | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for label, r, hit in rows:
-        mean = statistics.fmean(r.ttft_s) * k if r.ttft_s else float("nan")
-        lines.append(
-            f"| {label} | {r.pct(r.ttft_s, 50) * k:.0f} | {r.pct(r.ttft_s, 90) * k:.0f} | {r.pct(r.ttft_s, 99) * k:.0f} "
-            f"| {mean:.0f} | {r.slo_share(args.ttft_slo_ms / k):.0%} | {r.output_tokens / r.wall_s / args.speedup:.0f} "
-            f"| {hit:.1%} | {r.errors} |"
-        )
-    table = "\n".join(lines)
-    print(table)
+        with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr) as bar:
+            rows.append(run_row(label, args, requests, workdir, bar))
+    text = table(rows, args, len(requests)) + "\n\n" + verdict(rows)
+    print(text)
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "policies.md").write_text(table + "\n")
-        plot(rows, out / "policies.png")
+        (out / "policies.md").write_text(text + "\n")
+        plot(rows, args.speedup, out / "policies.png")
     return 0
 
 

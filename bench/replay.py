@@ -42,7 +42,7 @@ async def _one(
 ) -> None:
     body = {
         "model": model,
-        "prompt": req.prompt,
+        "prompt": req.text or req.prompt,
         "max_tokens": req.max_tokens,
         "ignore_eos": True,
         "stream": True,

@@ -1,14 +1,19 @@
-"""Mooncake FAST'25 traces as requests: token ids synthesised per hash id, arrivals time-scaled.
+"""Mooncake FAST'25 traces as requests: prompts synthesised per hash id, arrivals time-scaled.
 
 Each trace line has `timestamp` (ms), `input_length`, `output_length` and `hash_ids` (chained 512-token prefix
 blocks: equal ids mean a reusable prefix). A hash id always becomes the same 512 tokens; the tokens after the last
 full block are unique to the request, as the trace's README says to do.
+
+Tokens are drawn from the tokenizer's whole-word ids (" word"), so a prompt is also a text that tokenizes back to
+exactly those ids: every router gets the same text prompt (`sglang-router` accepts only text prompts), and the
+engines see the token ids the fleet simulator uses.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +26,9 @@ class TraceRequest:
     """One request to replay."""
 
     at_s: float  # arrival, seconds after the start of the replay (already scaled)
-    prompt: list[int]
+    prompt: list[int]  # token ids
     max_tokens: int
+    text: str = ""  # the same prompt as text (tokenizes back to `prompt`)
 
 
 def find_trace(name: str) -> Path:
@@ -39,42 +45,63 @@ def find_trace(name: str) -> Path:
     raise FileNotFoundError(f"trace {name!r} not found (looked in {DATA})")
 
 
-def _block_tokens(hash_id: int, vocab: int, cache: dict[int, list[int]]) -> list[int]:
-    tokens = cache.get(hash_id)
-    if tokens is None:
-        rng = random.Random(hash_id * 7919 + 17)
-        tokens = cache[hash_id] = [rng.randrange(vocab) for _ in range(TRACE_BLOCK)]
-    return tokens
+class PromptTokens:
+    """Prompt token ids from hash ids: each hash id always gives the same 512 tokens; the tail after the last
+    full block comes from a generator seeded by (seed, request key). Block tokens are cached, bounded."""
+
+    def __init__(self, token_ids: Sequence[int], seed: int = 0, cache_blocks: int = 200_000) -> None:
+        self.ids = list(token_ids)
+        self.seed = seed
+        self.cache_blocks = cache_blocks
+        self._blocks: dict[int, list[int]] = {}
+
+    def block(self, hash_id: int) -> list[int]:
+        tokens = self._blocks.get(hash_id)
+        if tokens is None:
+            if len(self._blocks) >= self.cache_blocks:
+                self._blocks.clear()  # re-made identically when needed again
+            rng = random.Random(hash_id * 7919 + 17)
+            ids, n = self.ids, len(self.ids)
+            tokens = self._blocks[hash_id] = [ids[rng.randrange(n)] for _ in range(TRACE_BLOCK)]
+        return tokens
+
+    def prompt(self, hash_ids: Sequence[int], length: int, key: int) -> list[int]:
+        out: list[int] = []
+        for h in hash_ids:
+            if len(out) >= length:
+                break
+            out.extend(self.block(h))
+        del out[length:]
+        if len(out) < length:
+            rng = random.Random(self.seed * 1_000_003 + key)
+            ids, n = self.ids, len(self.ids)
+            out.extend(ids[rng.randrange(n)] for _ in range(length - len(out)))
+        return out
 
 
 def load_trace(
     name: str,
     limit: int,
     time_scale: float,
-    vocab: int,
+    tokenizer,
     seed: int = 0,
     max_input: int = 0,
     max_output: int = 0,
 ) -> list[TraceRequest]:
-    """The first `limit` requests; arrival times divided by `time_scale`; inputs/outputs optionally capped."""
-    cache: dict[int, list[int]] = {}
-    rng = random.Random(seed)
+    """The first `limit` requests; arrival times divided by `time_scale`; inputs/outputs optionally capped.
+    `tokenizer` is Tandem's (`tandem.tokenizer.load_tokenizer`): its `word_ids` make the prompts."""
+    source = PromptTokens(tokenizer.word_ids, seed)
     out: list[TraceRequest] = []
     with open(find_trace(name)) as f:
-        for line in f:
+        for i, line in enumerate(f):
             if len(out) >= limit:
                 break
             row = json.loads(line)
-            prompt: list[int] = []
-            length = row["input_length"]
-            for hash_id in row["hash_ids"]:
-                prompt.extend(_block_tokens(hash_id, vocab, cache))
-            prompt = prompt[:length]
-            prompt.extend(rng.randrange(vocab) for _ in range(length - len(prompt)))
-            if max_input:
-                prompt = prompt[:max_input]
+            length = min(row["input_length"], max_input) if max_input else row["input_length"]
+            prompt = source.prompt(row["hash_ids"], length, i)
             output = max(1, row["output_length"])
             if max_output:
                 output = min(output, max_output)
-            out.append(TraceRequest(row["timestamp"] / 1000 / time_scale, prompt, output))
+            text = tokenizer.decode(prompt)
+            out.append(TraceRequest(row["timestamp"] / 1000 / time_scale, prompt, output, text))
     return out

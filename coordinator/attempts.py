@@ -110,7 +110,9 @@ class AttemptRegistry:
         if attempt.leg is not None and not attempt.leg.done():
             attempt.leg.cancel()
         if attempt.outcome is not None and not attempt.outcome.done():
-            attempt.outcome.set_exception(PrefillLegFailed("the request ended before its prefill leg completed"))
+            attempt.outcome.set_exception(
+                PrefillLegFailed("the request ended before its prefill leg completed")
+            )
             attempt.outcome.exception()  # retrieved: nobody may be waiting
         for cid in attempt.expected:
             if self._by_callback.get(cid) is attempt:

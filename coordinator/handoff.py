@@ -11,6 +11,7 @@ leg ends, whatever the outcome.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -88,8 +89,9 @@ class HandoffRunner:
             raise PrefillFailed("the answer carries no kv_transfer_params (is the engine a kv_producer?)")
         return params
 
-    async def prefill(self, decision: Decision, path: str, body: dict[str, Any], request_id: str,
-                      want_params: bool = True) -> Any:
+    async def prefill(
+        self, decision: Decision, path: str, body: dict[str, Any], request_id: str, want_params: bool = True
+    ) -> Any:
         """Sends a prefill leg to an instance the policy picks, retrying on others up to `attempts`; returns the
         answer's `kv_transfer_params`. Each instance's workload is released when its leg ends."""
         tried: set[str] = set()
@@ -105,6 +107,9 @@ class HandoffRunner:
                 metrics.PREFILL_LEGS.labels("failed").inc()
                 log.warning("prefill leg failed", extra={"instance": iid, "error": str(exc)})
                 continue
+            except asyncio.CancelledError:  # the request ended: the leg's HTTP request is closed with it
+                metrics.PREFILL_LEGS.labels("cancelled").inc()
+                raise
             finally:
                 self.picker.release(leg)  # the leg is over: completed, failed, or cancelled with the request
             metrics.PREFILL_LEGS.labels("ok").inc()
@@ -114,7 +119,9 @@ class HandoffRunner:
     async def run(self, decision: Decision, path: str) -> bytes:
         """Handoff: runs the prefill leg (with retries); returns the body for the decode engine, or 503."""
         try:
-            params = await self.prefill(decision, path, prefill_body(decision.request.body), decision.request_id)
+            params = await self.prefill(
+                decision, path, prefill_body(decision.request.body), decision.request_id
+            )
         except PrefillFailed as exc:
             raise OpenAIError(503, f"The {exc}") from None
         return decode_body(decision.request.body, params)

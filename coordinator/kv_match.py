@@ -94,7 +94,9 @@ class ConductorMatcher:
             return None
         fut = asyncio.get_running_loop().create_future()
         self._pending.append(fut)
-        request = conductor_pb2.MatchRequest(request_id=request_id, model=model, candidate_instance_ids=candidates)
+        request = conductor_pb2.MatchRequest(
+            request_id=request_id, model=model, candidate_instance_ids=candidates
+        )
         if block_size:
             request.block_hashes.extend(chain_hashes(token_ids, block_size))
             request.block_size = block_size

@@ -153,7 +153,9 @@ class MetaserverService(metaserver_pb2_grpc.MetaserverServicer):
         self.trigger = trigger
         self.replica = replica
 
-    async def Trigger(self, request: metaserver_pb2.TriggerRequest, context) -> metaserver_pb2.TriggerResponse:
+    async def Trigger(
+        self, request: metaserver_pb2.TriggerRequest, context
+    ) -> metaserver_pb2.TriggerResponse:
         request_id_var.set(request.request_id)
         if request.replica and request.replica != self.replica:
             await context.abort(
@@ -169,6 +171,7 @@ class MetaserverService(metaserver_pb2_grpc.MetaserverServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except PrefillLegFailed as exc:
             metrics.CALLBACKS.labels("failed").inc()
+            log.warning("metaserver callback failed", extra={"error": str(exc)})
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except asyncio.CancelledError:
             # The decode engine gave up on this callback: the attempt stops (its prefill leg is cancelled).

@@ -90,8 +90,9 @@ class TriggerCoordinator:
 
     def open(self, decision: Decision, path: str) -> tuple[Attempt, bytes]:
         """Registers the request's attempt; returns it and the body for the decode engine."""
-        attempt = self.registry.open(decision.request_id, decision.request.api, len(decision.request.prompts),
-                                     (decision, path))
+        attempt = self.registry.open(
+            decision.request_id, decision.request.api, len(decision.request.prompts), (decision, path)
+        )
         params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": self.metaserver_url}
         return attempt, json.dumps({**decision.request.body, "kv_transfer_params": params}).encode()
 

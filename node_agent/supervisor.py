@@ -15,7 +15,7 @@ import contextlib
 import enum
 import logging
 import os
-import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -70,27 +70,6 @@ def parse_load(text: str) -> EngineLoad:
 def backoff_delay(policy: RestartPolicy, consecutive_failures: int) -> float:
     """Exponential: initial, 2x initial, ... capped at `max_backoff_s`."""
     return min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** max(0, consecutive_failures - 1))
-
-
-def _load_prctl():
-    """libc's prctl, resolved here in the parent: the child of a threaded agent (gRPC threads) must not import or
-    dlopen anything between fork and exec (doing so crashed children with SIGSEGV under load)."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the agent dies, so that no engine outlives a killed agent (Linux)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 @dataclass(slots=True)
@@ -253,12 +232,11 @@ class EngineSupervisor:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.process = await asyncio.create_subprocess_exec(
-                *self.spec.argv,
+                *_with_parent_death_signal(self.spec.argv),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
                 env={**os.environ, **self.spec.env},
-                preexec_fn=_die_with_parent,
             )
         self.started_at = time.monotonic()
         self.started_wall = time.time()
@@ -338,3 +316,10 @@ async def _tcp_open(address: str) -> bool:
     with contextlib.suppress(OSError):
         await writer.wait_closed()
     return True
+
+
+def _with_parent_death_signal(argv: list[str]) -> list[str]:
+    """The command wrapped so that the process gets SIGTERM if the agent dies (it execs in place: same pid)."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-m", "node_agent.pdeathsig", str(os.getpid()), "--", *argv]

@@ -193,7 +193,11 @@ class EngineServer:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        # As vLLM, a request whose client went away is aborted (its handler is cancelled, which aborts the
+        # sequences and frees their blocks), streamed or not.
+        runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, shutdown_timeout=1.0, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.cfg.host, self.cfg.port, reuse_address=True, backlog=1024)
         await site.start()

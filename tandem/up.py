@@ -1,8 +1,9 @@
 """`tandem up`: the whole mesh on one machine (conductor, coordinator, Envoy, node agents and their engines).
 
-Each component runs as its own process with its log in the run directory; Ctrl-C (or SIGTERM) stops them in
-order (agents first, so that engines deregister and stop, then Envoy, coordinator, conductor) and leaves no
-process behind.
+Each component runs as its own process with its log in the run directory. A component that exits while the mesh
+runs is started again after a backoff (the others keep serving; a restarted conductor rebuilds its index from the
+engines' replay buffers). Ctrl-C (or SIGTERM) stops them in order (agents first, so that engines deregister and
+stop, then Envoy, coordinator, conductor) and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from tandem.protogen import DESCRIPTOR
 from tandem.v1 import admin_pb2, admin_pb2_grpc
 
 
+#: Restarts of a component that exits while the mesh runs, before `tandem up` gives up and stops everything.
+MAX_RESTARTS = 5
+
+
 class StartError(Exception):
     """A component did not come up; the message says which and where its log is."""
 
@@ -39,6 +44,7 @@ class Component:
     argv: list[str]
     log_path: Path
     process: subprocess.Popen | None = None
+    restarts: int = 0
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
@@ -158,6 +164,23 @@ class Mesh:
                 time.sleep(0.2)
         return missing
 
+    def restart(self, component: Component) -> bool:
+        """Starts a component that exited again, after a backoff; False once it crashed `MAX_RESTARTS` times."""
+        component.restarts += 1
+        code = component.process.returncode if component.process else None
+        if component.restarts > MAX_RESTARTS:
+            return False
+        delay = min(8.0, 0.5 * 2 ** (component.restarts - 1))
+        print(
+            f"tandem up: {component.name} exited (code {code}); restart {component.restarts}/{MAX_RESTARTS} in "
+            f"{delay:g}s (log: {component.log_path})",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(delay)
+        component.start()
+        return True
+
     def all_alive(self) -> bool:
         return all(c.alive() for c in self.components)
 
@@ -214,15 +237,12 @@ def up(mesh: MeshConfig, config_path: str, run_dir: Path, engine_timeout: float 
             print(f"tandem up: engines not healthy yet: {', '.join(missing)} (see {run_dir})", flush=True)
         print_urls(mesh, run_dir)
         while not stopping:
-            dead = cluster.dead()
-            if dead:
-                for component in dead:
-                    print(
-                        f"tandem up: {component.name} exited; last lines of {component.log_path}:",
-                        file=sys.stderr,
-                    )
+            for component in cluster.dead():
+                if not cluster.restart(component):
+                    print(f"tandem up: {component.name} keeps exiting; last lines of {component.log_path}:",
+                          file=sys.stderr)
                     print(component.tail(), file=sys.stderr)
-                return 1
+                    return 1
             time.sleep(0.2)
         return 0
     except StartError as exc:

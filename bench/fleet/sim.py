@@ -254,9 +254,9 @@ class Fleet:
 def simulate(
     cfg: FleetConfig,
     arrivals: list[Arrival],
-    vocab: int,
+    token_ids: list[int],
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> FleetResult:
     """One fresh fleet, one replay."""
-    return Fleet(cfg).run(arrivals, PromptSource(vocab, seed), progress)
+    return Fleet(cfg).run(arrivals, PromptSource(token_ids, seed), progress)

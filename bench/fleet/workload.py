@@ -13,7 +13,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from bench.trace import TRACE_BLOCK, find_trace
+from bench.trace import TRACE_BLOCK, PromptTokens, find_trace
 
 #: Offset between the hash ids of two copies of the trace (larger than any id in the traces).
 HASH_STRIDE = 1 << 32
@@ -67,31 +67,8 @@ def arrivals(rows: list[dict], rate_scale: float, copies: int = 1, seed: int = 0
     return out
 
 
-class PromptSource:
-    """Token ids of an arrival's prompt: each hash id always gives the same 512 tokens (as `bench.trace`); the
-    tokens after the last full block come from a generator seeded by (seed, request key)."""
-
-    def __init__(self, vocab: int, seed: int = 0, cache_blocks: int = 200_000) -> None:
-        self.vocab = vocab
-        self.seed = seed
-        self.cache_blocks = cache_blocks
-        self._blocks: dict[int, list[int]] = {}
-
-    def _block(self, hash_id: int) -> list[int]:
-        tokens = self._blocks.get(hash_id)
-        if tokens is None:
-            if len(self._blocks) >= self.cache_blocks:
-                self._blocks.clear()  # bounded memory; blocks are re-made identically when needed again
-            rng = random.Random(hash_id * 7919 + 17)
-            tokens = self._blocks[hash_id] = [rng.randrange(self.vocab) for _ in range(TRACE_BLOCK)]
-        return tokens
+class PromptSource(PromptTokens):
+    """Prompt token ids of arrivals, exactly as `bench.trace` makes them for the same rows (copy 0)."""
 
     def tokens(self, a: Arrival) -> list[int]:
-        prompt: list[int] = []
-        for h in a.hash_ids:
-            prompt.extend(self._block(h))
-        del prompt[a.input_len :]
-        if len(prompt) < a.input_len:
-            rng = random.Random(self.seed * 1_000_003 + a.key)
-            prompt.extend(rng.randrange(self.vocab) for _ in range(a.input_len - len(prompt)))
-        return prompt
+        return self.prompt(a.hash_ids, a.input_len, a.key)

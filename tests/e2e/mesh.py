@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.v1 import admin_pb2, admin_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
 
@@ -74,6 +76,16 @@ class RunningMesh:
         status = self.agent().GetStatus(node_agent_pb2.GetStatusRequest(), timeout=5)
         return {e.instance.instance_id: e for e in status.engines}
 
+    def coordinator_metric(self, name: str, **labels: str) -> float:
+        """A coordinator Prometheus figure."""
+        return metric_sum(self.config["coordinator"]["metrics_listen"], name, **labels)
+
+    def engine_address(self, instance_id: str) -> str:
+        """`host:port` of an engine of the first node."""
+        e = next(e for e in self.config["node_agents"][0]["engines"] if e["instance_id"] == instance_id)
+        host = e.get("host", "127.0.0.1")
+        return f"[{host}]:{e['port']}" if ":" in host else f"{host}:{e['port']}"
+
     def stats(self) -> admin_pb2.GetStatsResponse:
         return self.admin().GetStats(admin_pb2.GetStatsRequest(), timeout=5)
 
@@ -96,6 +108,17 @@ class RunningMesh:
                 self.process.kill()
                 raise
         return self.process.returncode
+
+
+def metric_sum(address: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus sample over the label sets that match `labels`, read from `address`/metrics."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def processes_mentioning(text: str) -> list[int]:

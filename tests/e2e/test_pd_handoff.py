@@ -7,9 +7,8 @@ import json
 import httpx
 import pytest
 
-from bench.engines import engine_counters
 from bench.harness import mesh_config
-from tests.e2e.mesh import RunningMesh
+from tests.e2e.mesh import RunningMesh, metric_sum
 
 PROMPT = " ".join(f"word{i}" for i in range(150))  # several full 16-token blocks
 
@@ -18,7 +17,8 @@ PROMPT = " ".join(f"word{i}" for i in range(150))  # several full 16-token block
 def mesh(tmp_path_factory):
     config = mesh_config(engines=3, engine_args=["--speedup", "20"], policy="kv_affinity")
     engines = config["node_agents"][0]["engines"]
-    for engine, (iid, role) in zip(engines, [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]):
+    roles = [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
+    for engine, (iid, role) in zip(engines, roles, strict=True):
         engine.update(instance_id=iid, role=role, kv_connector="NixlConnector")
     config["coordinator"]["pd_mode"] = "prefill_handoff_decode"
     running = RunningMesh(config, tmp_path_factory.mktemp("pd"))
@@ -27,15 +27,8 @@ def mesh(tmp_path_factory):
     running.stop()
 
 
-def engine(mesh, iid: str) -> str:
-    port = next(e["port"] for e in mesh.config["node_agents"][0]["engines"] if e["instance_id"] == iid)
-    return f"127.0.0.1:{port}"
-
-
 def transferred(mesh) -> float:
-    return engine_counters(engine(mesh, "decode-0"), ("simengine:kv_transfer_tokens_total",))[
-        "simengine:kv_transfer_tokens_total"
-    ]
+    return metric_sum(mesh.engine_address("decode-0"), "simengine:kv_transfer_tokens_total")
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
@@ -47,10 +40,13 @@ def test_answers_equal_the_aggregated_ones_and_kv_moves(mesh, api):
     payload = {"model": "tandem-sim", "max_tokens": 20, **payload}
     before = transferred(mesh)
     # Aggregated reference: the same body served whole by one engine.
-    direct = httpx.post(f"http://{engine(mesh, 'prefill-0')}{path}", json=payload, timeout=30).json()
+    direct = httpx.post(f"http://{mesh.engine_address('prefill-0')}{path}", json=payload, timeout=30).json()
     through = httpx.post(mesh.http + path, json=payload, timeout=30)
     assert through.status_code == 200, through.text
-    text = (lambda d: d["choices"][0]["message"]["content"] if api == "chat" else d["choices"][0]["text"])
+
+    def text(d: dict) -> str:
+        return d["choices"][0]["message"]["content"] if api == "chat" else d["choices"][0]["text"]
+
     assert text(through.json()) == text(direct)
     assert transferred(mesh) > before  # the decode engine pulled the prefill's KV
     with httpx.stream("POST", mesh.http + path, json={**payload, "stream": True}, timeout=30) as reply:

@@ -105,7 +105,11 @@ def test_ascend_decode_dp4_tp2_one_api_server_per_rank():
             "--data-parallel-address", "10.0.0.2", "--data-parallel-rpc-port", "12321",
         ]  # fmt: skip
         # Same kv_port for every rank: vLLM-Ascend adds dp_rank * tp itself.
-        assert transfer["kv_port"] == 36200 and transfer["engine_id"] == "d0" and transfer["kv_role"] == "kv_consumer"
+        assert (
+            transfer["kv_port"] == 36200
+            and transfer["engine_id"] == "d0"
+            and transfer["kv_role"] == "kv_consumer"
+        )
         assert transfer["kv_connector_extra_config"] == {
             "prefill": {"dp_size": 1, "tp_size": 8},
             "decode": {"dp_size": 4, "tp_size": 2},
@@ -167,13 +171,17 @@ def test_ascend_prefill_tp16_pp2_across_two_nodes(node_rank):
 
 def test_runtime_placement_overrides_config_and_is_required():
     fields = dict(instance_id="x", tensor_parallel_size=8, pipeline_parallel_size=2, nnodes=2)
-    [spec] = build_launch(engine(**fields, node_rank=0, master_addr="10.9.9.9"), RUN, Placement(1, "10.0.0.5"))
+    [spec] = build_launch(
+        engine(**fields, node_rank=0, master_addr="10.9.9.9"), RUN, Placement(1, "10.0.0.5")
+    )
     assert "--headless" in spec.argv and spec.argv[spec.argv.index("--master-addr") + 1] == "10.0.0.5"
     with pytest.raises(LaunchError, match="engine 'x': node_rank is not set .*TANDEM_NODE_RANK"):
         build_launch(engine(**fields), RUN, Placement(master_addr="10.0.0.5"))
     with pytest.raises(LaunchError, match="master_addr is not set"):
         build_launch(engine(**fields), RUN, Placement(node_rank=0))
-    assert Placement.from_env({"TANDEM_NODE_RANK": "1", "TANDEM_MASTER_ADDR": "10.0.0.1"}) == Placement(1, "10.0.0.1")
+    assert Placement.from_env({"TANDEM_NODE_RANK": "1", "TANDEM_MASTER_ADDR": "10.0.0.1"}) == Placement(
+        1, "10.0.0.1"
+    )
 
 
 def test_layerwise_trigger_pair():
@@ -229,7 +237,9 @@ def test_cpu_vllm_example_connector_pair():
 
 
 def test_simengine_keeps_its_flags_and_dp_ranks():
-    [spec] = build_launch(EngineConfig(instance_id="s", model="tandem-sim", port=8101, args=["--speedup", "20"]), RUN)
+    [spec] = build_launch(
+        EngineConfig(instance_id="s", model="tandem-sim", port=8101, args=["--speedup", "20"]), RUN
+    )
     argv, transfer, events = split(spec.argv)
     assert argv == [
         sys.executable, "-m", "simengine", "--model", "tandem-sim", "--host", "127.0.0.1", "--port", "8101",

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import grpc
 import httpx
@@ -74,8 +79,12 @@ async def test_crash_loop_backs_off_and_gives_up_reported_in_status(tmp_path):
         seen.append((sup.state, sup.detail, loop.time()))
 
     crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
-    policy = RestartPolicy(initial_backoff_s=0.1, max_backoff_s=0.2, max_consecutive_failures=4, stable_after_s=60)
-    sup = EngineSupervisor(None, LaunchSpec("crashy", crash), policy, str(tmp_path / "c.log"), 0.1, 1, changed)
+    policy = RestartPolicy(
+        initial_backoff_s=0.1, max_backoff_s=0.2, max_consecutive_failures=4, stable_after_s=60
+    )
+    sup = EngineSupervisor(
+        None, LaunchSpec("crashy", crash), policy, str(tmp_path / "c.log"), 0.1, 1, changed
+    )
     sup.start()
     await wait_for(lambda: sup.state is EngineState.FAILED, 20, "FAILED")
     backoffs = [(detail, t) for state, detail, t in seen if state is EngineState.BACKOFF]
@@ -101,8 +110,16 @@ def sim_node(tmp_path, registry_address: str, *engine_args: str, **engine_fields
         probe_interval_s=0.2,
         stop_grace_s=5,
         restart={"initial_backoff_s": 0.1, "max_backoff_s": 0.2, "max_consecutive_failures": 2},
-        engines=[{"instance_id": "sim-0", "model": "tandem-sim", "port": ports[2], "args": list(engine_args),
-                  "kv_events": False, **engine_fields}],  # fmt: skip
+        engines=[
+            {
+                "instance_id": "sim-0",
+                "model": "tandem-sim",
+                "port": ports[2],
+                "args": list(engine_args),
+                "kv_events": False,
+                **engine_fields,
+            }
+        ],  # fmt: skip
     )
 
 
@@ -110,24 +127,16 @@ async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_pa
     config = sim_node(tmp_path, registry.address, "--fault-crash-after", "1", "--speedup", "50")
     agent = NodeAgent(config, registry.address, "127.0.0.1:1")
     sup = agent.supervisors["sim-0"]
-    orig = sup.on_change
-    import time
-    t0 = time.time()
-    async def changed(s):
-        print(f"{time.time()-t0:.3f}", s.state.name, s.detail, s.process.pid if s.process else None, s.last_exit_code)
-        await orig(s)
-    sup.on_change = changed
     await agent.start()
     try:
         async with httpx.AsyncClient(timeout=10) as http:
             for round_ in range(2):
-                await wait_for(lambda: sup.state is EngineState.RUNNING, 30, f"running (round {round_}) {sup.detail}")
+                await wait_for(lambda: sup.state is EngineState.RUNNING, 30, f"running (round {round_})")
                 for _ in range(2):  # the second request makes simengine exit(1)
-                    try:
-                        x = await http.post(f"{sup.base_url}/v1/completions", json={"model": "tandem-sim", "prompt": "hi"})
-                        print(time.time()-t0, x.status_code)
-                    except httpx.HTTPError as e:
-                        print(time.time()-t0, repr(e))
+                    with contextlib.suppress(httpx.HTTPError):
+                        await http.post(
+                            f"{sup.base_url}/v1/completions", json={"model": "tandem-sim", "prompt": "hi"}
+                        )
                 await wait_for(lambda: sup.state is not EngineState.RUNNING, 10, "crash noticed")
         await wait_for(lambda: sup.state is EngineState.FAILED, 20, "FAILED after the limit")
         assert sup.restarts == 1 and sup.last_exit_code == 1
@@ -149,20 +158,33 @@ async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, regist
     try:
         await wait_for(lambda: ("register", "sim-0") in registry.events, 30, "registration")
         instance = registry.instances["sim-0"]
-        assert instance.dispatch_capability == 1 and instance.data_parallel_size == 1 and instance.kv_connector == ""
+        assert (
+            instance.dispatch_capability == 1
+            and instance.data_parallel_size == 1
+            and instance.kv_connector == ""
+        )
         async with httpx.AsyncClient(timeout=60) as http:
-            body = {"model": "tandem-sim", "prompt": "a long answer please", "max_tokens": 120, "ignore_eos": True}
+            body = {
+                "model": "tandem-sim",
+                "prompt": "a long answer please",
+                "max_tokens": 120,
+                "ignore_eos": True,
+            }
             request = asyncio.create_task(http.post(f"{sup.base_url}/v1/completions", json=body))
             await wait_for(lambda: sup.in_flight > 0 or request.done(), 10, "request in flight")
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = node_agent_pb2_grpc.NodeAgentStub(channel)
-                drain = asyncio.create_task(stub.Drain(node_agent_pb2.DrainRequest(instance_id="sim-0"), timeout=60))
+                drain = asyncio.ensure_future(
+                    stub.Drain(node_agent_pb2.DrainRequest(instance_id="sim-0"), timeout=60)
+                )
                 await wait_for(lambda: ("deregister", "sim-0") in registry.events, 5, "deregistration")
                 assert sup.state is EngineState.DRAINING and not request.done()
                 reply = await drain
             answer = await request
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 120
-        assert reply.engine.state == node_agent_pb2.ENGINE_STATE_STOPPED and reply.engine.detail.startswith("drained in")
+        assert reply.engine.state == node_agent_pb2.ENGINE_STATE_STOPPED and reply.engine.detail.startswith(
+            "drained in"
+        )
         assert sup.process.returncode is not None and sup.state is EngineState.STOPPED
     finally:
         await server.stop(0)
@@ -191,7 +213,9 @@ async def test_drain_timeout_stops_anyway(tmp_path, registry):
 
 async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
     store_port, *_ = free_ports(1)
-    server = f"import socket,time;s=socket.socket();s.bind(('127.0.0.1',{store_port}));s.listen();time.sleep(60)"
+    server = (
+        f"import socket,time;s=socket.socket();s.bind(('127.0.0.1',{store_port}));s.listen();time.sleep(60)"
+    )
     ports = free_ports(2)
     config = NodeAgentConfig(
         node_id="store",
@@ -200,8 +224,11 @@ async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
         runtime_dir=str(tmp_path / "rt"),
         probe_interval_s=0.2,
         services="kv_store",
-        kv_store={"mode": "separated", "argv": [sys.executable, "-c", server],
-                  "health_address": f"127.0.0.1:{store_port}"},  # fmt: skip
+        kv_store={
+            "mode": "separated",
+            "argv": [sys.executable, "-c", server],
+            "health_address": f"127.0.0.1:{store_port}",
+        },  # fmt: skip
         engines=[{"instance_id": "never", "model": "m", "port": free_ports(1)[0]}],
     )
     agent = NodeAgent(config, registry.address, "127.0.0.1:1")
@@ -228,7 +255,10 @@ async def test_combined_store_env_reaches_engines_and_missing_binaries_fail_prep
         metrics_listen=f"127.0.0.1:{ports[1]}",
         runtime_dir=str(tmp_path / "rt"),
         services="engine,kv_store",
-        kv_store={"argv": ["no-such-store-binary"], "engine_env": {"MOONCAKE_CONFIG_PATH": "/etc/mooncake.json"}},
+        kv_store={
+            "argv": ["no-such-store-binary"],
+            "engine_env": {"MOONCAKE_CONFIG_PATH": "/etc/mooncake.json"},
+        },
         engines=[{"instance_id": "e", "model": "m", "port": ports[2]}],
     )
     agent = NodeAgent(config, registry.address, "127.0.0.1:1")
@@ -236,3 +266,30 @@ async def test_combined_store_env_reaches_engines_and_missing_binaries_fail_prep
     assert agent.supervisors["e"].spec.env == {"MOONCAKE_CONFIG_PATH": "/etc/mooncake.json"}
     with pytest.raises(ServiceError, match="kv_store: 'no-such-store-binary' not found"):
         agent.prepare()
+
+
+def test_engines_get_sigterm_when_the_agent_is_killed(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    parent = f"""
+import os, subprocess, sys, time
+from node_agent.supervisor import _with_parent_death_signal
+child = subprocess.Popen(_with_parent_death_signal([sys.executable, "-c", "import time; time.sleep(60)"]))
+open({str(pidfile)!r}, "w").write(str(child.pid))
+time.sleep(60)
+"""
+    agent = subprocess.Popen([sys.executable, "-c", parent], cwd=os.getcwd())
+    deadline = time.monotonic() + 10
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    time.sleep(0.5)  # the wrapper has armed the signal and exec'd
+    assert "time.sleep(60)" in open(f"/proc/{child}/cmdline").read().replace("\0", " ")
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)
+        time.sleep(0.05)
+    status = open(f"/proc/{child}/status").read() if os.path.exists(f"/proc/{child}") else ""
+    assert not status or "zombie" in status

@@ -1,0 +1,114 @@
+"""Named experiments on the fleet simulator: policy rows, the kv_affinity sweep, the scale table."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from bench.fleet.instance import EngineSpec
+from bench.fleet.sim import FleetConfig, FleetResult, simulate
+from bench.fleet.workload import arrivals, load_rows
+
+#: Tandem's policies and the peers' re-implementations, by label: (type, params).
+POLICY_ROWS: dict[str, tuple[str, Mapping[str, Any] | None]] = {
+    "round_robin": ("round_robin", None),
+    "least_load": ("least_load", None),
+    "sglang_cache_aware": ("sglang_cache_aware", None),
+    "llm_d": ("llm_d", None),
+    "dynamo": ("dynamo", None),
+    "kv_affinity": ("kv_affinity", None),
+}
+
+#: The sweep's grid over kv_affinity's parameters (mode blend; `load_gate_topn` 0 means no gate).
+SWEEP_GRID: dict[str, list] = {
+    "load_weight": [0.05, 0.1, 0.25, 0.5, 1.0, 2.0],
+    "prefill_load_scale": [1.0, 2.0],
+    "load_gate_topn": [0, 2],
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The trace slice and load a run replays."""
+
+    trace: str = "conversation"
+    requests: int = 300  # rows of the trace (per copy)
+    rate: float = 1.25  # arrival compression (simulated time)
+    max_input: int = 8192
+    max_output: int = 64
+    seed: int = 0
+    copies: int = 1  # independent copies of the trace (disjoint prefixes), for larger fleets
+
+    def arrivals(self):
+        rows = load_rows(self.trace, self.requests, self.max_input, self.max_output)
+        return arrivals(rows, self.rate, self.copies, self.seed)
+
+
+def _token_ids() -> list[int]:
+    from tandem.tokenizer import load_tokenizer
+
+    return load_tokenizer(None).word_ids
+
+
+def run_one(job: tuple[FleetConfig, Workload]) -> FleetResult:
+    """One simulation (picklable, for process pools)."""
+    cfg, work = job
+    return simulate(cfg, work.arrivals(), _token_ids(), work.seed)
+
+
+def run_many(
+    jobs: list[tuple[FleetConfig, Workload]], workers: int = 0, progress=None
+) -> list[FleetResult]:
+    """Simulations in `workers` processes (0: one per core), results in job order."""
+    workers = workers or os.cpu_count() or 1
+    if workers == 1 or len(jobs) == 1:
+        out = []
+        for job in jobs:
+            out.append(run_one(job))
+            if progress is not None:
+                progress(1)
+        return out
+    results: list[FleetResult | None] = [None] * len(jobs)
+    with ProcessPoolExecutor(workers) as pool:
+        futures = {pool.submit(run_one, job): i for i, job in enumerate(jobs)}
+        from concurrent.futures import as_completed
+
+        for fut in as_completed(futures):
+            results[futures[fut]] = fut.result()
+            if progress is not None:
+                progress(1)
+    return results  # type: ignore[return-value]
+
+
+def sweep_jobs(base: FleetConfig, work: Workload) -> list[tuple[dict, tuple[FleetConfig, Workload]]]:
+    keys = list(SWEEP_GRID)
+    out = []
+    for values in itertools.product(*(SWEEP_GRID[k] for k in keys)):
+        params = dict(zip(keys, values, strict=True))
+        out.append((params, (replace(base, policy="kv_affinity", params=params), work)))
+    return out
+
+
+def score(r: FleetResult) -> float:
+    """What the sweep minimises: mean plus p99 TTFT (simulated seconds)."""
+    return r.mean_ttft + r.pct(99)
+
+
+def scale_jobs(
+    sizes: list[int], base_instances: int, engine: EngineSpec, work: Workload, tuned: Mapping[str, Any], **kw
+) -> list[tuple[int, str, tuple[FleetConfig, Workload]]]:
+    """For each fleet size, one job per policy row; the trace is tiled so the load per instance stays that of
+    `base_instances` instances under `work`."""
+    rows = {**POLICY_ROWS, "kv_affinity_tuned": ("kv_affinity", dict(tuned))}
+    out = []
+    for n in sizes:
+        copies = max(1, round(n / base_instances))
+        w = replace(work, copies=copies)
+        for label, (policy, params) in rows.items():
+            cfg = FleetConfig(instances=n, policy=policy, params=params, engine=engine, **kw)
+            out.append((n, label, (cfg, w)))
+    return out
