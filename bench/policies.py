@@ -85,6 +85,8 @@ def run_row(label: str, args, requests, workdir: Path, progress=None) -> Row:
     if label in sections:
         config["coordinator"]["scheduler"] = sections[label]
     config["envoy"]["log_level"] = "error"
+    if args.match_timeout_ms:
+        config["coordinator"]["scheduler"]["match_timeout_ms"] = args.match_timeout_ms
     slug = label.replace(" ", "-")
     path = workdir / f"{slug}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -197,6 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output", type=int, default=64, help="cap output tokens (0: none)")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="TTFT SLO, in simulated time")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--match-timeout-ms", type=float, default=0, help="coordinator's conductor Match deadline (0: default)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,9 +81,10 @@ def load_from_proto(msg: common_pb2.InstanceLoad) -> EngineLoad:
     return EngineLoad(msg.running_requests, msg.waiting_requests, msg.kv_cache_usage, sampled)
 
 
-def status_to_proto(state: InstanceState, workload_tokens: int, inflight: int) -> admin_pb2.InstanceStatus:
+def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:
     """What Admin shows about one instance."""
     load = state.load
+    iid = state.info.instance_id
     return admin_pb2.InstanceStatus(
         instance=instance_to_proto(state.info),
         health=HEALTH_VALUES[state.health],
@@ -94,8 +95,10 @@ def status_to_proto(state: InstanceState, workload_tokens: int, inflight: int) -
             sampled_at=_timestamp(load.sampled_at) if load.sampled_at else None,
         ),
         drained=state.drained,
-        workload_tokens=workload_tokens,
-        inflight_requests=inflight,
+        workload_tokens=ledger.tokens(iid),
+        inflight_requests=ledger.requests(iid),
+        prefill_tokens=ledger.prefill_tokens(iid),
+        decode_tokens=ledger.decode_tokens(iid),
         registered_at=_timestamp(state.registered_at),
         last_heartbeat_at=_timestamp(state.last_heartbeat_at),
     )

@@ -97,8 +97,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         state = self.picker.instances.get(instance_id)
         if state is None:
             return None
-        ledger = self.picker.ledger
-        return status_to_proto(state, ledger.tokens(instance_id), ledger.requests(instance_id))
+        return status_to_proto(state, self.picker.ledger)
 
     async def ListInstances(self, request, context) -> admin_pb2.ListInstancesResponse:
         states = [
@@ -133,6 +132,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 instance_id=s.info.instance_id,
                 workload_tokens=ledger.tokens(s.info.instance_id),
                 inflight_requests=ledger.requests(s.info.instance_id),
+                prefill_tokens=ledger.prefill_tokens(s.info.instance_id),
+                decode_tokens=ledger.decode_tokens(s.info.instance_id),
             )
             for s in self.picker.instances.all()
         ]

@@ -27,7 +27,6 @@ from tandem.envoy_config import write_envoy_config
 from tandem.protogen import DESCRIPTOR
 from tandem.v1 import admin_pb2, admin_pb2_grpc
 
-
 #: Restarts of a component that exits while the mesh runs, before `tandem up` gives up and stops everything.
 MAX_RESTARTS = 5
 

@@ -1,0 +1,114 @@
+"""The coordinator's gRPC surface on loopback: Registry, Admin, Metaserver errors as gRPC callers see them."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import yaml
+
+from bench.harness import mesh_config
+from coordinator.app import build
+from tandem.config import parse_mesh_config
+from tandem.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    metaserver_pb2,
+    metaserver_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+)
+
+
+@pytest.fixture
+async def channel(monkeypatch):
+    monkeypatch.setenv("TANDEM_NO_BANNER", "1")
+    config = mesh_config(engines=1)
+    config["node_agents"] = []
+    coordinator = build(parse_mesh_config(config, "mesh.yaml"))
+    await coordinator.app.start()
+    async with grpc.aio.insecure_channel(config["coordinator"]["listen"]) as ch:
+        yield ch
+    await coordinator.app.server.stop(0)
+
+
+def instance(**fields) -> common_pb2.Instance:
+    base = dict(
+        instance_id="i0",
+        model="tandem-sim",
+        address="127.0.0.1:1",
+        role=common_pb2.ROLE_HYBRID,
+        dispatch_capability=common_pb2.DISPATCH_CAPABILITY_AGGREGATED,
+    )
+    return common_pb2.Instance(**{**base, **fields})
+
+
+async def test_register_heartbeat_list_drain(channel):
+    registry = registry_pb2_grpc.RegistryStub(channel)
+    admin = admin_pb2_grpc.AdminStub(channel)
+    reply = await registry.Register(registry_pb2.RegisterRequest(instance=instance()))
+    assert reply.heartbeat_interval.ToMilliseconds() == 500
+
+    async def beats():
+        yield registry_pb2.HeartbeatRequest(
+            instance_id="i0",
+            health=common_pb2.HEALTH_HEALTHY,
+            load=common_pb2.InstanceLoad(running_requests=3, kv_cache_usage=0.5),
+        )
+        yield registry_pb2.HeartbeatRequest(instance_id="ghost", health=common_pb2.HEALTH_HEALTHY)
+
+    answers = [a async for a in registry.Heartbeat(beats())]
+    assert [(a.instance_id, a.known) for a in answers] == [("i0", True), ("ghost", False)]
+    listed = await admin.ListInstances(admin_pb2.ListInstancesRequest())
+    (status,) = listed.instances
+    assert status.load.running_requests == 3 and status.health == common_pb2.HEALTH_HEALTHY
+    drained = await admin.DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="i0"))
+    assert drained.instance.drained
+    assert not (
+        await admin.UndrainInstance(admin_pb2.UndrainInstanceRequest(instance_id="i0"))
+    ).instance.drained
+    assert (await registry.Deregister(registry_pb2.DeregisterRequest(instance_id="i0"))).found
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"instance_id": ""}, "instance.instance_id is required"),
+        ({"address": ""}, "instance.address is required"),
+        ({"role": common_pb2.ROLE_UNSPECIFIED}, "instance.role must be set"),
+        (
+            {"dispatch_capability": common_pb2.DISPATCH_CAPABILITY_UNSPECIFIED},
+            "dispatch_capability must be set",
+        ),
+    ],
+)
+async def test_bad_registration_is_invalid_argument(channel, fields, message):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await registry_pb2_grpc.RegistryStub(channel).Register(
+            registry_pb2.RegisterRequest(instance=instance(**fields))
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+
+
+async def test_admin_errors_and_config(channel):
+    admin = admin_pb2_grpc.AdminStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await admin.DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in info.value.details()
+    config = yaml.safe_load((await admin.GetConfig(admin_pb2.GetConfigRequest())).yaml)
+    assert config["coordinator"]["scheduler"]["policy"] == "least_load"
+    stats = await admin.GetStats(admin_pb2.GetStatsRequest())
+    assert stats.policy == "least_load" and stats.workload_tokens == 0
+
+
+async def test_metaserver_rejects_unknown_attempts(channel):
+    stub = metaserver_pb2_grpc.MetaserverStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Trigger(metaserver_pb2.TriggerRequest(request_id="cmpl-x#a1-0"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Trigger(metaserver_pb2.TriggerRequest(request_id="cmpl-x#a1-0", replica="c7"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "'c7'" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Trigger(metaserver_pb2.TriggerRequest())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
