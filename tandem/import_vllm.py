@@ -11,10 +11,14 @@ assignments. Each command becomes one `engines:` entry:
   fills them in from the sizes); the other side's topology and every other field stay as written;
 - `kv_role` becomes `role`; `engine_id` is dropped (the agent uses the instance id);
 - cross-node commands keep `nnodes` and the master port, never a fixed master address or node rank (both are
-  injected at run time on each node), and no `--headless` (node rank > 0 implies it); a per-rank
-  `--data-parallel-rank` is dropped too (the agent runs one API server per local rank);
+  injected at run time on each node), and no `--headless` (node rank > 0 implies it);
+- a per-rank script (`--data-parallel-rank R`, one API server per rank) becomes `data_parallel_start_rank: R` and
+  `data_parallel_size_local: 1`: exactly what the script ran (widen `data_parallel_size_local` and `devices` to let
+  the agent run every rank of the node); the DP address is dropped like the master address;
 - `ASCEND_RT_VISIBLE_DEVICES` becomes `devices`; `VLLM_PP_LAYER_PARTITION` is dropped when the connector config
   carries the same partition (the agent exports it); other variables go to `env`;
+- KV events are on (the conductor needs them): a DP engine gets `kv_events_port` from the script's
+  `--kv-events-config` endpoint, else vLLM's default 5557;
 - every other flag is kept, in order, in `args`.
 """
 
@@ -52,11 +56,14 @@ SIZE_FLAGS = {
     "--port": "port",
 }
 DROPPED_WITH_VALUE = {
-    "--node-rank", "-r", "--master-addr", "--data-parallel-rank", "-dpn", "--data-parallel-address", "-dpa",
+    "--node-rank", "-r", "--master-addr", "--data-parallel-address", "-dpa",
     "--host", "--served-model-name", "--model", "--kv-transfer-config", "--kv-events-config",
 }  # fmt: skip
 DROPPED_FLAGS = {"--headless"}
 EXTRA_SIZES = {"dp_size": "data_parallel_size", "tp_size": "tensor_parallel_size", "pp_size": "pipeline_parallel_size"}
+DEFAULT_KV_EVENTS_PORT = 5557  # vllm/config/kv_events.py: endpoint "tcp://*:5557"
+SHELL_TOKENS = {"&", "&&", ";", "||", "|", ">", ">>", "2>", "2>&1", "&>"}
+KEY_ORDER = ("instance_id", "backend", "model", "model_path", "host", "port", "role")
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "hybrid"}
 _ASSIGN = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*|\d+)\}|([A-Za-z_][A-Za-z0-9_]*|\d))")
@@ -156,6 +163,9 @@ def parse_command(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
             model_path = take()
         elif flag in SIZE_FLAGS:
             engine[SIZE_FLAGS[flag]] = _int(flag, take())
+        elif flag in ("--data-parallel-rank", "-dpn"):
+            engine["data_parallel_start_rank"] = _int(flag, take())
+            engine["data_parallel_size_local"] = 1
         elif flag == "--host":
             engine["host"] = take()
         elif flag == "--served-model-name":
@@ -183,9 +193,10 @@ def parse_command(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
         _apply_transfer(engine, transfer)
     if events is not None:
         engine["kv_events"] = bool(events.get("enable_kv_cache_events", True))
-        port = re.search(r"^tcp://.*:(\d+)$", str(events.get("endpoint", "")))
-        if port and engine.get("data_parallel_size", 1) > 1:
-            engine["kv_events_port"] = int(port.group(1))
+    if engine.get("data_parallel_size", 1) > 1 and engine.get("kv_events", True):
+        # DP ranks publish on tcp ports (base + rank): keep the script's port, else vLLM's default 5557.
+        port = re.search(r"^tcp://.*:(\d+)$", str((events or {}).get("endpoint", "")))
+        engine["kv_events_port"] = int(port.group(1)) if port else DEFAULT_KV_EVENTS_PORT
     _apply_env(engine, env)
     if args:
         engine["args"] = args
@@ -267,6 +278,8 @@ def import_script(text: str, positional: list[str] | None = None, node_id: str =
         is_vllm, start = _is_command(words)
         if not is_vllm:
             continue
+        end = next((i for i, w in enumerate(words) if w in SHELL_TOKENS or w.startswith((">", "2>"))), len(words))
+        words = words[:end]
         inline_env = {}
         for word in words[: start - 2]:
             if m := _ASSIGN.match(word):
@@ -275,8 +288,10 @@ def import_script(text: str, positional: list[str] | None = None, node_id: str =
     if not engines:
         raise ImportError_("no `vllm serve` command found")
     backend = _backend(text, engines)
+    counters: dict[str, int] = {}
     for index, engine in enumerate(engines):
         prefix = instance_prefix or {"prefill": "prefill", "decode": "decode"}.get(engine.get("role", ""), "engine")
+        number = counters[prefix] = counters.get(prefix, -1) + 1
         unresolved = [k for k, v in engine.items() if isinstance(v, str) and _VAR.search(v)]
         if unresolved:
             raise ImportError_(f"{unresolved[0]} is {engine[unresolved[0]]!r}: pass the script's arguments after it")
@@ -284,9 +299,12 @@ def import_script(text: str, positional: list[str] | None = None, node_id: str =
         engine.pop("host", None)
         if engine_host in (None, "0.0.0.0", "::", ""):
             engine_host = variables.get("HCCL_IF_IP") or variables.get("local_ip") or "127.0.0.1"
-        ordered = {"instance_id": f"{prefix}-{index}", "backend": backend, "host": engine_host}
-        engines[index] = {**ordered, **engine}
-        engines[index].setdefault("port", 8000)
+        engine.update(instance_id=f"{prefix}-{number}", backend=backend, host=engine_host)
+        engine.setdefault("port", 8000)
+        for size in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
+            if engine.get(size) == 1:
+                del engine[size]
+        engines[index] = {k: engine[k] for k in (*KEY_ORDER, *engine) if k in engine}
     return {"node_id": node_id, "engines": engines}
 
 

@@ -45,19 +45,6 @@ class Params:
     router_temperature: float = 0.0
     seed: int = 0
 
-    def check(self) -> str | None:
-        for key in (
-            "overlap_score_credit",
-            "host_cache_hit_weight",
-            "disk_cache_hit_weight",
-            "prefill_load_scale",
-            "decode_active_request_weight",
-            "router_temperature",
-        ):
-            if getattr(self, key) < 0:
-                return f"{key}: must be >= 0, got {getattr(self, key)}"
-        return None
-
 
 class Dynamo:
     """See the module docstring."""

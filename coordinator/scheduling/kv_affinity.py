@@ -52,13 +52,8 @@ class Params:
     w_disk: float = 0.0
 
     def check(self) -> str | None:
-        for key in ("load_weight", "prefill_load_scale", "w_npu", "w_cpu", "w_disk"):
-            if getattr(self, key) < 0:
-                return f"{key}: must be >= 0, got {getattr(self, key)}"
-        if not 0.0 <= self.overlap_credit <= 1.0:
+        if self.overlap_credit > 1.0:
             return f"overlap_credit: must be between 0 and 1, got {self.overlap_credit}"
-        if self.load_gate_topn < 0:
-            return f"load_gate_topn: must be >= 0, got {self.load_gate_topn}"
         return None
 
 

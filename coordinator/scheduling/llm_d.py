@@ -33,12 +33,6 @@ class Params:
     queue_weight: float = 2.0
     seed: int = 0
 
-    def check(self) -> str | None:
-        for key in ("prefix_weight", "kv_utilization_weight", "queue_weight"):
-            if getattr(self, key) < 0:
-                return f"{key}: must be >= 0, got {getattr(self, key)}"
-        return None
-
 
 def _clamp(x: float) -> float:
     return min(1.0, max(0.0, x))

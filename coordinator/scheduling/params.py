@@ -12,8 +12,9 @@ P = TypeVar("P")
 
 
 def parse_params(cls: type[P], raw: Mapping[str, Any] | None, policy: str) -> P:
-    """An instance of dataclass `cls` from `raw`; ValueError `"<policy>.<key>: ..."` on an unknown key or a bad
-    type (ints are accepted for float fields; booleans never stand for numbers)."""
+    """An instance of dataclass `cls` from `raw`; ValueError `"<policy>.<key>: ..."` on an unknown key, a bad type
+    (ints are accepted for float fields; booleans never stand for numbers) or a negative number (every policy
+    parameter is a weight, threshold, count or seed). A `check()` method on `cls` adds its own rules."""
     raw = dict(raw or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
@@ -35,6 +36,8 @@ def parse_params(cls: type[P], raw: Mapping[str, Any] | None, policy: str) -> P:
         elif expected is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{policy}.{key}: must be an integer, got {value!r}")
+        if expected in (int, float) and value < 0:
+            raise ValueError(f"{policy}.{key}: must be >= 0, got {value}")
         values[key] = value
     params = cls(**values)
     check = getattr(params, "check", None)

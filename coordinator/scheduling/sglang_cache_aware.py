@@ -34,10 +34,10 @@ class Params:
     below_threshold: Literal["smallest_tree", "least_load"] = "smallest_tree"
 
     def check(self) -> str | None:
-        if not 0.0 <= self.cache_threshold <= 1.0:
+        if self.cache_threshold > 1.0:
             return f"cache_threshold: must be between 0 and 1, got {self.cache_threshold}"
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            return "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1"
+        if self.balance_rel_threshold < 1.0:
+            return f"balance_rel_threshold: must be >= 1, got {self.balance_rel_threshold}"
         return None
 
 

@@ -20,3 +20,18 @@ def test_builtins_are_registered_once():
 def test_unknown_policy_names_known_ones():
     with pytest.raises(ValueError, match="unknown scheduling policy 'fastest'.*kv_affinity.*least_load"):
         create_policy("fastest")
+
+
+@pytest.mark.parametrize(
+    ("policy", "params", "message"),
+    [
+        ("dynamo", {"router_temperature": -1}, "dynamo.router_temperature: must be >= 0"),
+        ("llm_d", {"queue_weight": True}, "llm_d.queue_weight: must be a number"),
+        ("sglang_cache_aware", {"balance_rel_threshold": 0.5}, "balance_rel_threshold: must be >= 1"),
+        ("sglang_cache_aware", {"below_threshold": "random"}, "below_threshold: must be one of"),
+        ("round_robin", {"x": 1}, "round_robin.x: unknown parameter"),
+    ],
+)
+def test_bad_parameters_name_policy_and_key(policy, params, message):
+    with pytest.raises(ValueError, match=message):
+        create_policy(policy, params)
