@@ -76,7 +76,9 @@ class LaunchSpec:
 
     name: str  # unique on the node: the registered instance id, or `<instance_id>-node<rank>` when headless
     argv: list[str]
-    events_instance: str = ""  # the instance its KV events belong to (internal DP: the head node's API server)
+    events_instance: str = (
+        ""  # the instance its KV events belong to (internal DP: the head node's API server)
+    )
     env: dict[str, str] = field(default_factory=dict)  # added to the agent's own environment
     kv_events: tuple[KvEventSource, ...] = ()
     port: int | None = None  # HTTP port; None for a headless process (no API server, nothing to register)

@@ -34,7 +34,9 @@ def build(out: Path) -> None:
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus(), vocab_size=1000, min_frequency=2, special_tokens=["<s>", "</s>", "<pad>"])
+    bpe.train_from_iterator(
+        corpus(), vocab_size=1000, min_frequency=2, special_tokens=["<s>", "</s>", "<pad>"]
+    )
     bpe.save(str(out / "tokenizer.json"))
     tok = PreTrainedTokenizerFast(
         tokenizer_file=str(out / "tokenizer.json"), bos_token="<s>", eos_token="</s>", pad_token="<pad>"

@@ -29,12 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     p_agent = sub.add_parser("agent", help="run a node agent")
     p_agent.add_argument("--config", required=True)
     p_agent.add_argument("--node", default=None)
-    p_import = sub.add_parser("import-vllm", help="print agent config (YAML) for a `vllm serve` launch script")
+    p_import = sub.add_parser(
+        "import-vllm", help="print agent config (YAML) for a `vllm serve` launch script"
+    )
     p_import.add_argument("script", help="a shell script that runs `vllm serve`")
-    p_import.add_argument("script_args", nargs="*", help="values of the script's $1, $2, ... (launcher templates)")
+    p_import.add_argument(
+        "script_args", nargs="*", help="values of the script's $1, $2, ... (launcher templates)"
+    )
     p_import.add_argument("--node-id", default="node-1", help="node_id of the generated node_agents entry")
-    p_import.add_argument("--instance-prefix", default=None, help="instance ids are PREFIX-0, ... (default: role)")
-    p_import.add_argument("--host", default=None, help="address engines are reached at (default: from the script)")
+    p_import.add_argument(
+        "--instance-prefix", default=None, help="instance ids are PREFIX-0, ... (default: role)"
+    )
+    p_import.add_argument(
+        "--host", default=None, help="address engines are reached at (default: from the script)"
+    )
     args = parser.parse_args(argv)
     if args.command == "import-vllm":
         from tandem.import_vllm import main as import_vllm

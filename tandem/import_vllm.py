@@ -60,7 +60,11 @@ DROPPED_WITH_VALUE = {
     "--host", "--served-model-name", "--model", "--kv-transfer-config", "--kv-events-config",
 }  # fmt: skip
 DROPPED_FLAGS = {"--headless"}
-EXTRA_SIZES = {"dp_size": "data_parallel_size", "tp_size": "tensor_parallel_size", "pp_size": "pipeline_parallel_size"}
+EXTRA_SIZES = {
+    "dp_size": "data_parallel_size",
+    "tp_size": "tensor_parallel_size",
+    "pp_size": "pipeline_parallel_size",
+}
 DEFAULT_KV_EVENTS_PORT = 5557  # vllm/config/kv_events.py: endpoint "tcp://*:5557"
 SHELL_TOKENS = {"&", "&&", ";", "||", "|", ">", ">>", "2>", "2>&1", "&>"}
 KEY_ORDER = ("instance_id", "backend", "model", "model_path", "host", "port", "role")
@@ -122,7 +126,9 @@ def _int(flag: str, value: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ImportError_(f"{flag} {value!r} is not a number (pass the script's arguments after it)") from None
+        raise ImportError_(
+            f"{flag} {value!r} is not a number (pass the script's arguments after it)"
+        ) from None
 
 
 def _json(flag: str, value: str) -> dict:
@@ -135,6 +141,37 @@ def _json(flag: str, value: str) -> dict:
     return parsed
 
 
+class _ArgCursor:
+    """Walks an argument list; `--flag=value` and `--flag value` read alike."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv, self.i = argv, -1
+        self.word = self.flag = ""
+        self.inline: str | None = None
+
+    def next(self) -> bool:
+        self.i += 1
+        if self.i >= len(self.argv):
+            return False
+        self.word = self.argv[self.i]
+        flag, eq, inline = self.word.partition("=")
+        is_flag = self.word.startswith("-")
+        self.flag = flag if is_flag else self.word
+        self.inline = inline if is_flag and eq else None
+        return True
+
+    def peek(self) -> str | None:
+        return self.argv[self.i + 1] if self.i + 1 < len(self.argv) else None
+
+    def value(self) -> str:
+        if self.inline is not None:
+            return self.inline
+        if self.peek() is None:
+            raise ImportError_(f"{self.flag} needs a value")
+        self.i += 1
+        return self.argv[self.i]
+
+
 def parse_command(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     """One engine entry from a vLLM server command's arguments and its environment."""
     engine: dict[str, Any] = {}
@@ -142,49 +179,36 @@ def parse_command(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     transfer: dict | None = None
     events: dict | None = None
     model_path = None
-    i = 0
-    while i < len(argv):
-        word = argv[i]
-        flag, eq, inline = word.partition("=") if word.startswith("-") else (word, "", "")
-        has_value = bool(eq)
-
-        def take() -> str:
-            nonlocal i
-            if has_value:
-                return inline
-            if i + 1 >= len(argv):
-                raise ImportError_(f"{flag} needs a value")
-            i += 1
-            return argv[i]
-
+    words = _ArgCursor(argv)
+    while words.next():
+        word, flag = words.word, words.flag
         if not word.startswith("-") and model_path is None:
             model_path = word
         elif flag == "--model":
-            model_path = take()
+            model_path = words.value()
         elif flag in SIZE_FLAGS:
-            engine[SIZE_FLAGS[flag]] = _int(flag, take())
+            engine[SIZE_FLAGS[flag]] = _int(flag, words.value())
         elif flag in ("--data-parallel-rank", "-dpn"):
-            engine["data_parallel_start_rank"] = _int(flag, take())
+            engine["data_parallel_start_rank"] = _int(flag, words.value())
             engine["data_parallel_size_local"] = 1
         elif flag == "--host":
-            engine["host"] = take()
+            engine["host"] = words.value()
         elif flag == "--served-model-name":
-            engine["model"] = take()
-            while i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-                i += 1  # further names: the first one is the routed name
+            engine["model"] = words.value()
+            while words.peek() is not None and not words.peek().startswith("-"):
+                words.next()  # further names: the first one is the routed name
         elif flag == "--kv-transfer-config":
-            transfer = _json(flag, take())
+            transfer = _json(flag, words.value())
         elif flag == "--kv-events-config":
-            events = _json(flag, take())
+            events = _json(flag, words.value())
         elif flag in DROPPED_WITH_VALUE:
-            take()
+            words.value()
         elif flag in DROPPED_FLAGS:
             pass
-        elif flag == "--distributed-executor-backend" and not has_value and argv[i + 1 : i + 2] == ["mp"]:
-            i += 1  # the agent adds it for cross-node engines; mp is also the single-node default
+        elif flag == "--distributed-executor-backend" and not words.inline and words.peek() == "mp":
+            words.next()  # the agent adds it for cross-node engines; mp is also the single-node default
         else:
             args.append(word)
-        i += 1
     if model_path is None:
         raise ImportError_("no model path in the vllm command")
     engine = {"model_path": model_path, **engine}
@@ -278,7 +302,9 @@ def import_script(text: str, positional: list[str] | None = None, node_id: str =
         is_vllm, start = _is_command(words)
         if not is_vllm:
             continue
-        end = next((i for i, w in enumerate(words) if w in SHELL_TOKENS or w.startswith((">", "2>"))), len(words))
+        end = next(
+            (i for i, w in enumerate(words) if w in SHELL_TOKENS or w.startswith((">", "2>"))), len(words)
+        )
         words = words[:end]
         inline_env = {}
         for word in words[: start - 2]:
@@ -290,11 +316,15 @@ def import_script(text: str, positional: list[str] | None = None, node_id: str =
     backend = _backend(text, engines)
     counters: dict[str, int] = {}
     for index, engine in enumerate(engines):
-        prefix = instance_prefix or {"prefill": "prefill", "decode": "decode"}.get(engine.get("role", ""), "engine")
+        prefix = instance_prefix or {"prefill": "prefill", "decode": "decode"}.get(
+            engine.get("role", ""), "engine"
+        )
         number = counters[prefix] = counters.get(prefix, -1) + 1
         unresolved = [k for k, v in engine.items() if isinstance(v, str) and _VAR.search(v)]
         if unresolved:
-            raise ImportError_(f"{unresolved[0]} is {engine[unresolved[0]]!r}: pass the script's arguments after it")
+            raise ImportError_(
+                f"{unresolved[0]} is {engine[unresolved[0]]!r}: pass the script's arguments after it"
+            )
         engine_host = host or engine.pop("host", None)
         engine.pop("host", None)
         if engine_host in (None, "0.0.0.0", "::", ""):
@@ -313,7 +343,9 @@ def render(entry: dict[str, Any]) -> str:
     return yaml.safe_dump({"node_agents": [entry]}, sort_keys=False, default_flow_style=None, width=110)
 
 
-def main(script: str, positional: list[str], node_id: str, instance_prefix: str | None, host: str | None) -> int:
+def main(
+    script: str, positional: list[str], node_id: str, instance_prefix: str | None, host: str | None
+) -> int:
     """CLI body: prints the YAML, or one error line and exit code 2."""
     import sys
 
@@ -333,7 +365,10 @@ def main(script: str, positional: list[str], node_id: str, instance_prefix: str 
         NodeAgentConfig.model_validate(entry)
     except ValueError as exc:
         first = str(exc).splitlines()
-        print(f"tandem import-vllm: {script}: the result does not validate: {' '.join(first[:3])}", file=sys.stderr)
+        print(
+            f"tandem import-vllm: {script}: the result does not validate: {' '.join(first[:3])}",
+            file=sys.stderr,
+        )
         return 2
     sys.stdout.write(render(entry))
     return 0

@@ -160,7 +160,7 @@ def test_bad_configuration_exits_with_one_line(tmp_path):
     )
     assert out.returncode == 2
     assert (
-        "bad configuration" in out.stderr and "conductor.listen" in out.stderr and "127.0.0.1" in out.stderr
+        "config error" in out.stderr and "conductor.listen" in out.stderr and "127.0.0.1" in out.stderr
     )
     cfg.write_text("conductor:\n  max_entriez: 5\n")
     out = subprocess.run(

@@ -34,7 +34,13 @@ def test_unit_declares_notify_restart_hardening_and_etc_tandem():
     assert opts["Restart"] == "on-failure"
     assert "--config /etc/tandem/mesh.yaml" in opts["ExecStart"]
     assert opts["EnvironmentFile"] == "-/etc/tandem/agent.env"
-    for key in ("NoNewPrivileges", "ProtectKernelTunables", "RestrictSUIDSGID", "PrivateTmp", "LockPersonality"):
+    for key in (
+        "NoNewPrivileges",
+        "ProtectKernelTunables",
+        "RestrictSUIDSGID",
+        "PrivateTmp",
+        "LockPersonality",
+    ):
         assert opts[key] == "yes", key
     assert opts["ProtectSystem"] == "strict" and opts["CapabilityBoundingSet"] == ""
     assert "PrivateDevices" not in opts  # engines need the accelerators
@@ -46,7 +52,9 @@ def test_systemd_analyze_verify_passes(tmp_path):
     text = UNIT.read_text().replace("/opt/tandem/venv/bin/tandem", sys.executable)
     unit = tmp_path / "tandem-agent.service"
     unit.write_text(text)
-    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert "tandem-agent.service" not in result.stderr, result.stderr
 
@@ -55,7 +63,10 @@ def test_notify_is_silent_outside_systemd():
     notify = SystemdNotify({})
     notify.ready("x")
     assert not notify.enabled and notify.sent == [] and notify.watchdog_interval_s is None
-    assert SystemdNotify({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "4000000"}).watchdog_interval_s == 2.0
+    assert (
+        SystemdNotify({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "4000000"}).watchdog_interval_s
+        == 2.0
+    )
     other = {"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "4000000", "WATCHDOG_PID": "1"}
     assert SystemdNotify(other).watchdog_interval_s is None  # the watchdog is another process's
 

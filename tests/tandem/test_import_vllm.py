@@ -22,7 +22,9 @@ def imported(name: str, *args: str) -> list[dict]:
 
 
 def test_prefill_dp_template_with_launcher_arguments():
-    [engine] = imported("prefill_dp_template.sh", "8,9,10,11,12,13,14,15", "7101", "2", "1", "192.0.0.1", "12321", "8")
+    [engine] = imported(
+        "prefill_dp_template.sh", "8,9,10,11,12,13,14,15", "7101", "2", "1", "192.0.0.1", "12321", "8"
+    )
     assert engine == {
         "instance_id": "prefill-0",
         "backend": "vllm-ascend",
@@ -66,13 +68,22 @@ def test_command_line_sizes_win_over_the_connector_config():
     [engine] = imported("decode_dp4_tp2.sh")
     # The script says -dp 4 / TP 2, its connector config says decode dp_size 8 / tp_size 4: the command line wins.
     assert engine["data_parallel_size"] == 4 and engine["tensor_parallel_size"] == 2
-    assert engine["kv_connector_extra_config"] == {"use_ascend_direct": True, "prefill": {"dp_size": 2, "tp_size": 8}}
-    assert (engine["data_parallel_start_rank"], engine["data_parallel_size_local"], engine["devices"]) == (0, 1, [0, 1])
+    assert engine["kv_connector_extra_config"] == {
+        "use_ascend_direct": True,
+        "prefill": {"dp_size": 2, "tp_size": 8},
+    }
+    assert (engine["data_parallel_start_rank"], engine["data_parallel_size_local"], engine["devices"]) == (
+        0,
+        1,
+        [0, 1],
+    )
     assert engine["kv_events_port"] == 5557 and engine["role"] == "decode" and engine["model"] == "qwen3-235b"
     assert engine["model_path"] == "/data/models/Qwen3-235B-A22B-W8A8"  # ${MODEL}
     assert "engine_id" not in str(engine) and "data_parallel_address" not in engine
     # The agent's own command for it carries the sizes back into the connector config.
-    [spec] = build_launch(NodeAgentConfig.model_validate({"node_id": "n", "engines": [engine]}).engines[0], "/run")
+    [spec] = build_launch(
+        NodeAgentConfig.model_validate({"node_id": "n", "engines": [engine]}).engines[0], "/run"
+    )
     transfer = spec.argv[spec.argv.index("--kv-transfer-config") + 1]
     assert '"decode":{"dp_size":4,"tp_size":2}' in transfer and '"engine_id":"decode-0"' in transfer
 
@@ -82,7 +93,9 @@ def test_cross_node_scripts_give_nnodes_and_master_port_never_address_or_rank(sc
     [engine] = imported(script)
     assert engine["nnodes"] == 2 and engine["master_port"] == 29600
     assert {"master_addr", "node_rank"}.isdisjoint(engine)
-    assert "--headless" not in engine.get("args", []) and "--distributed-executor-backend" not in engine.get("args", [])
+    assert "--headless" not in engine.get("args", []) and "--distributed-executor-backend" not in engine.get(
+        "args", []
+    )
     assert (engine["tensor_parallel_size"], engine["pipeline_parallel_size"]) == (8, 2)
     assert engine["kv_connector_extra_config"] == {
         "prefill": {"pp_layer_partition": "32,29"},
@@ -131,7 +144,9 @@ def test_cli_prints_yaml_and_errors_are_one_line(capsys, tmp_path):
     assert out["node_agents"][0]["node_id"] == "npu-7" and len(out["node_agents"][0]["engines"]) == 2
     assert cli(["import-vllm", str(SCRIPTS / "prefill_dp_template.sh")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--port '$2' is not a number (pass the script's arguments after it)" in err
+    assert (
+        err.count("\n") == 1 and "--port '$2' is not a number (pass the script's arguments after it)" in err
+    )
     empty = tmp_path / "empty.sh"
     empty.write_text("echo hello\n")
     assert cli(["import-vllm", str(empty)]) == 2

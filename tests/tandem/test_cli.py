@@ -1,0 +1,45 @@
+"""What an operator sees at start: one-line config errors with exit code 2, the banner, the version."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tandem.banner import banner_text
+from tandem.version import __version__
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "tandem.cli", "up"],
+        ["-m", "coordinator"],
+        ["-m", "conductor"],
+        ["-m", "node_agent"],
+    ],
+)
+def test_bad_config_is_one_line_and_exit_2(tmp_path, argv):
+    bad = tmp_path / "mesh.yaml"
+    bad.write_text("coordinator:\n  scheduler:\n    policy: fastest\n")
+    result = subprocess.run(
+        [sys.executable, *argv, "--config", str(bad)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "config error" in lines[0]
+    assert "coordinator.scheduler: policy: unknown scheduling policy 'fastest'" in lines[0]
+
+
+def test_banner_has_version_and_role(monkeypatch):
+    monkeypatch.delenv("TANDEM_NO_BANNER", raising=False)
+    full = banner_text("coordinator", {"grpc": "127.0.0.1:9100"})
+    assert __version__ in full and "coordinator" in full and "127.0.0.1:9100" in full and full.count("\n") > 3
+    monkeypatch.setenv("TANDEM_NO_BANNER", "1")
+    assert banner_text("coordinator", {"grpc": "127.0.0.1:9100"}) == (
+        f"tandem {__version__} coordinator grpc=127.0.0.1:9100"
+    )
+
+
+def test_version_flag():
+    out = subprocess.run([sys.executable, "-m", "tandem.cli", "--version"], capture_output=True, text=True)
+    assert out.stdout.strip() == f"tandem {__version__}"
