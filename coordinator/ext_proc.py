@@ -139,7 +139,6 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             decision = stream.decision
             if decision is not None and self.picker.release(decision.target):
                 metrics.INFLIGHT.dec()
-                metrics.set_workload(self.picker.ledger, decision.target.instance.info.instance_id)
 
     def _on_headers(self, stream: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
         method = ""
@@ -186,7 +185,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         instance = decision.target.instance.info
         self.counters.routed += 1
         metrics.INFLIGHT.inc()
-        metrics.ROUTED.labels(instance.instance_id).inc()
+        metrics.routed(instance.instance_id)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
         new_body = None
         engine_request_id = stream.request_id
@@ -204,8 +203,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             except OpenAIError as exc:
                 yield self._reject(exc)
                 return
-        metrics.set_workload(self.picker.ledger, instance.instance_id)
-        log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
         headers = [_header(DESTINATION_HEADER, instance.address), _header("x-request-id", engine_request_id)]
         mutation = None
         if new_body is not None:

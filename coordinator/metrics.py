@@ -1,32 +1,63 @@
-"""Prometheus metrics of the coordinator."""
+"""Prometheus metrics of the coordinator. Per-request updates are kept cheap: label children are cached, and the
+workload figures are read from the ledger at scrape time."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Callable
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from coordinator.workload import WorkloadLedger
 
 ROUTED = Counter("tandem_coordinator_routed_requests", "Requests routed to an engine", ["instance"])
 REJECTED = Counter("tandem_coordinator_rejected_requests", "Requests answered with an error", ["status"])
 INFLIGHT = Gauge("tandem_coordinator_inflight_requests", "Requests in flight")
-WORKLOAD = Gauge("tandem_coordinator_workload_tokens", "Tokens committed to an instance", ["instance"])
 DECISION_SECONDS = Histogram(
     "tandem_coordinator_decision_seconds",
     "Time to validate, tokenize and schedule one request",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05),
 )
 INSTANCES = Gauge("tandem_coordinator_instances", "Registered instances by health", ["health"])
-
-
-def set_workload(ledger: WorkloadLedger, instance_id: str) -> None:
-    """Publishes the ledger's figure for one instance."""
-    WORKLOAD.labels(instance_id).set(ledger.tokens(instance_id))
-
-
 MATCH_FALLBACKS = Counter(
     "tandem_coordinator_match_fallbacks",
     "Requests scored on load alone because the conductor could not answer",
     ["reason"],
 )
-PREFILL_LEGS = Counter("tandem_coordinator_prefill_legs", "Prefill legs sent in P/D handoff", ["outcome"])
+PREFILL_LEGS = Counter("tandem_coordinator_prefill_legs", "Prefill legs sent by the coordinator", ["outcome"])
 CALLBACKS = Counter("tandem_coordinator_metaserver_callbacks", "Metaserver callbacks by outcome", ["outcome"])
+
+
+class WorkloadCollector:
+    """Committed tokens per instance and bucket, read from the ledger at scrape time."""
+
+    def __init__(self) -> None:
+        self.ledger: WorkloadLedger | None = None
+        self.instance_ids: Callable[[], list[str]] = list
+
+    def watch(self, ledger: WorkloadLedger, instance_ids: Callable[[], list[str]]) -> None:
+        """Reports this ledger from now on."""
+        self.ledger, self.instance_ids = ledger, instance_ids
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "tandem_coordinator_workload_tokens", "Tokens committed to an instance", labels=["instance", "bucket"]
+        )
+        if self.ledger is not None:
+            for iid in self.instance_ids():
+                family.add_metric([iid, "prefill"], self.ledger.prefill_tokens(iid))
+                family.add_metric([iid, "decode"], self.ledger.decode_tokens(iid))
+        yield family
+
+
+WORKLOAD = WorkloadCollector()
+REGISTRY.register(WORKLOAD)
+_routed_children: dict[str, Counter] = {}
+
+
+def routed(instance_id: str) -> None:
+    """Counts one routed request."""
+    child = _routed_children.get(instance_id)
+    if child is None:
+        child = _routed_children[instance_id] = ROUTED.labels(instance_id)
+    child.inc()

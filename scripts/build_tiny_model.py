@@ -31,8 +31,8 @@ def build(out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return  # built already: `make clean` or delete the directory to rebuild
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(
         corpus(), vocab_size=1000, min_frequency=2, special_tokens=["<s>", "</s>", "<pad>"]
@@ -43,6 +43,12 @@ def build(out: Path) -> None:
     )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
+    # transformers 5 writes the template to chat_template.jinja only; the mesh's tokenizer (tandem/tokenizer.py)
+    # reads it from tokenizer_config.json, as older files have it.
+    config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(tokenizer_config, indent=2))
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=128,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from conductor.index import KvIndex
 from coordinator.instances import EngineLoad, InstanceInfo, InstanceState
 from simengine import events as sim_events
+from simengine.block_pool import BlockPool, KVBlock
 from simengine.events import EventSink
 from simengine.kv_cache_manager import KVCacheManager
 from simengine.profiles import PROFILES
@@ -59,12 +60,15 @@ class SimInstance:
         self.profile = PROFILES[spec.profile]
         self.sink = EventSink(enabled=index is not None)
         self.kv = KVCacheManager(
-            num_npu_blocks=spec.npu_blocks,
+            num_npu_blocks=1,  # replaced below by a lazily made pool of spec.npu_blocks
             block_size=spec.block_size,
             sink=self.sink,
             num_cpu_blocks=spec.cpu_blocks,
             offload=spec.cpu_blocks > 0,
         )
+        pool = self.kv.pool
+        self.kv.pool = LazyBlockPool(spec.npu_blocks, spec.block_size, self.sink)
+        self.kv.pool.on_evict = pool.on_evict
         self.scheduler = Scheduler(self.kv, sampler, spec.max_num_seqs, spec.max_num_batched_tokens)
         info = InstanceInfo(
             instance_id, model, f"sim/{instance_id}", "hybrid", "aggregated", block_size=spec.block_size
@@ -115,3 +119,37 @@ class SimInstance:
             kv_cache_usage=self.kv.usage(),
             sampled_at=now,
         )
+
+
+class LazyBlockPool(BlockPool):
+    """simengine's `BlockPool` with its blocks made on first use instead of all at start (8M objects for 512
+    instances of 16k blocks). Same allocation order: vLLM's free queue starts with every block in id order and
+    freed blocks go to its tail, so never-used blocks are always taken before freed ones."""
+
+    def __init__(self, num_blocks: int, block_size: int, sink: EventSink, enable_caching: bool = True) -> None:
+        super().__init__(1, block_size, sink, enable_caching)
+        self.num_blocks = num_blocks
+        self.blocks = []
+        self._free.clear()
+        self._fresh = num_blocks  # blocks not made yet (at the head of the free queue)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + self._fresh
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        fresh = min(n, self._fresh)
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot get {n} free blocks from the pool ({self.num_free_blocks} free)")
+        out = []
+        for _ in range(fresh):
+            block = KVBlock(len(self.blocks), ref_cnt=1)
+            self.blocks.append(block)
+            out.append(block)
+        self._fresh -= fresh
+        if n > fresh:
+            out += super().get_new_blocks(n - fresh)
+        return out
