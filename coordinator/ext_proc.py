@@ -56,6 +56,11 @@ _CONTINUE_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersR
 _CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
 
+def _text(header: base_pb2.HeaderValue) -> str:
+    """A header's value (Envoy sends `raw_value`; older versions `value`)."""
+    return header.raw_value.decode("latin-1") if header.raw_value else header.value
+
+
 def immediate(status: int, body: bytes, details: str) -> ep.ProcessingResponse:
     """An answer Envoy sends to the client instead of forwarding the request."""
     return ep.ProcessingResponse(
@@ -101,8 +106,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self,
         picker: EndpointPicker,
         handoff: HandoffRunner,
-        trigger: TriggerCoordinator | None = None,
-        prefill_budget_s: float = 0.0,
+        trigger: TriggerCoordinator,
+        prefill_budget_s: float,
     ) -> None:
         self.picker = picker
         self.handoff = handoff
@@ -145,11 +150,11 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         for h in headers.headers.headers:
             key = h.key
             if key == ":path":
-                stream.path = (h.raw_value or h.value.encode()).decode("latin-1").split("?", 1)[0]
+                stream.path = _text(h).split("?", 1)[0]
             elif key == ":method":
-                method = (h.raw_value or h.value.encode()).decode("latin-1")
+                method = _text(h)
             elif key == "x-request-id":
-                stream.request_id = (h.raw_value or h.value.encode()).decode("latin-1")
+                stream.request_id = _text(h)
         stream.request_id = stream.request_id or uuid.uuid4().hex
         request_id_var.set(stream.request_id)
         api = ROUTED_PATHS.get(stream.path)
@@ -190,9 +195,6 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         new_body = None
         engine_request_id = stream.request_id
         if decision.mode == TRIGGER:
-            if self.trigger is None:
-                yield self._reject(OpenAIError(503, "This coordinator has no metaserver for trigger mode."))
-                return
             stream.attempt, new_body = self.trigger.open(decision, stream.path)
             engine_request_id = stream.attempt.engine_request_id
         elif decision.mode == HANDOFF:

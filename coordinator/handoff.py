@@ -26,6 +26,11 @@ from coordinator.picker import Decision, EndpointPicker
 log = logging.getLogger(__name__)
 
 
+#: Connectors that move KV through shared storage rather than by `kv_transfer_params` (vLLM's ExampleConnector,
+#: formerly SharedStorageConnector): their prefill answers carry none and the decode engine finds the KV itself.
+STORAGE_CONNECTORS = frozenset({"ExampleConnector", "SharedStorageConnector"})
+
+
 class PrefillFailed(Exception):
     """The prefill leg did not produce `kv_transfer_params`."""
 
@@ -44,7 +49,10 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: Any) -> bytes:
-    """The client's body with the prefill engine's `kv_transfer_params`, verbatim."""
+    """The client's body with the prefill engine's `kv_transfer_params`, verbatim (the body as it is when the
+    connector passes KV through storage and there are none)."""
+    if kv_transfer_params is None:
+        return json.dumps(body).encode()
     return json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()
 
 
@@ -85,7 +93,9 @@ class HandoffRunner:
             params = json.loads(text).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
-        if want_params and (not isinstance(params, dict) or not params):
+        if not want_params:
+            return params if isinstance(params, dict) and params else None
+        if not isinstance(params, dict) or not params:
             raise PrefillFailed("the answer carries no kv_transfer_params (is the engine a kv_producer?)")
         return params
 
@@ -100,8 +110,9 @@ class HandoffRunner:
             leg = await self.picker.pick_prefill(decision, tried)
             iid = leg.instance.info.instance_id
             tried.add(iid)
+            needs_params = want_params and leg.instance.info.kv_connector not in STORAGE_CONNECTORS
             try:
-                params = await self.send(leg.instance.info.address, path, body, request_id, want_params)
+                params = await self.send(leg.instance.info.address, path, body, request_id, needs_params)
             except PrefillFailed as exc:
                 last = f"{iid}: {exc}"
                 metrics.PREFILL_LEGS.labels("failed").inc()

@@ -150,7 +150,9 @@ class Mesh:
 
     def wait_for_engines(self, timeout: float) -> list[str]:
         """Waits until every configured engine is registered and healthy; returns the ids still missing."""
-        wanted = {e.instance_id for a in self.mesh.node_agents for e in a.engines}
+        from node_agent.launch import registered_instance_ids
+
+        wanted = {iid for a in self.mesh.node_agents for e in a.engines for iid in registered_instance_ids(e)}
         deadline = time.monotonic() + timeout
         missing = sorted(wanted)
         with grpc.insecure_channel(self.mesh.coordinator.listen) as channel:

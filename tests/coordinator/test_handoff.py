@@ -48,12 +48,12 @@ def test_decode_body_carries_the_prefill_params_verbatim():
     assert out == {"model": "m", "prompt": "p", "stream": True, "kv_transfer_params": PARAMS}
 
 
-async def fake_prefill(runners: list, status: int, seen: list):
+async def fake_prefill(runners: list, status: int, seen: list, params=PARAMS):
     async def handler(request: web.Request) -> web.Response:
         seen.append((request.headers.get("X-Request-Id"), await request.json()))
         if status != 200:
             return web.json_response({"error": {"message": "boom"}}, status=status)
-        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
 
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
@@ -73,11 +73,11 @@ async def servers():
         await r.cleanup()
 
 
-def pd_picker(prefill_addresses: list[str]) -> EndpointPicker:
+def pd_picker(prefill_addresses: list[str], connector: str = "NixlConnector") -> EndpointPicker:
     table = InstanceTable(["m"])
-    table.register(InstanceInfo("d0", "m", "127.0.0.1:1", "decode", "handoff"))
+    table.register(InstanceInfo("d0", "m", "127.0.0.1:1", "decode", "handoff", kv_connector=connector))
     for i, address in enumerate(prefill_addresses):
-        table.register(InstanceInfo(f"p{i}", "m", address, "prefill", "handoff"))
+        table.register(InstanceInfo(f"p{i}", "m", address, "prefill", "handoff", kv_connector=connector))
     config = CoordinatorConfig(scheduler={"policy": "round_robin"})
     return EndpointPicker(
         config, table, WorkloadLedger(), config.scheduler.build(), TokenizerCache({}, load_tokenizer)
@@ -134,3 +134,18 @@ async def test_multi_prompt_is_refused_in_pd_mode():
     with pytest.raises(OpenAIError) as info:
         await picker.decide("completions", json.dumps({"model": "m", "prompt": ["a", "b"]}).encode(), "r")
     assert info.value.status == 400
+
+
+async def test_storage_connectors_need_no_kv_transfer_params(servers):
+    seen = []
+    address = await fake_prefill(servers, 200, seen, params=None)
+    body = json.dumps({"model": "m", "prompt": "hello"}).encode()
+    nixl = pd_picker([address])
+    runner = HandoffRunner(nixl, 5.0, attempts=1)
+    with pytest.raises(OpenAIError, match="no kv_transfer_params"):
+        await runner.run(await nixl.decide("completions", body, "r1"), "/v1/completions")
+    example = pd_picker([address], connector="ExampleConnector")  # KV goes through shared storage
+    runner = HandoffRunner(example, 5.0, attempts=1)
+    decode = json.loads(await runner.run(await example.decide("completions", body, "r2"), "/v1/completions"))
+    await runner.close()
+    assert decode == {"model": "m", "prompt": "hello"} and seen[-1][1]["max_tokens"] == 1

@@ -121,7 +121,7 @@ def test_conductor_down_still_serves_then_rebuilds_from_replay(mesh):
     # `tandem up` starts the conductor again; the agent replays the engines' buffered events into it, so the
     # prefix is found again without restarting any engine.
     mesh.wait_for(
-        lambda: conductor_pids(mesh) and conductor_pids(mesh) != [conductor], 15, "conductor restart"
+        lambda: conductor_pids(mesh) and conductor_pids(mesh) != [conductor], 30, "conductor restart"
     )
-    mesh.wait_for(lambda: matched_once_up(mesh), 20, "the index rebuilt from replay")
+    mesh.wait_for(lambda: matched_once_up(mesh), 30, "the index rebuilt from replay")
     assert all(e.restarts == 0 for e in mesh.engines().values())

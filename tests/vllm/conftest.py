@@ -43,13 +43,16 @@ def vllm_engine(instance_id: str, port: int, role: str = "hybrid", connector: st
     return engine
 
 
-def real_mesh(engines: list[tuple[str, str, str | None]], **coordinator) -> dict:
+def real_mesh(engines: list[tuple[str, str, str | None]], workdir: Path, **coordinator) -> dict:
     """A `tandem up` config with real vLLM engines `(instance_id, role, connector)` on free ports."""
     config = mesh_config(engines=len(engines), policy="kv_affinity", model=MODEL_NAME)
     config["models"] = [{"name": MODEL_NAME, "tokenizer": MODEL}]
     config["coordinator"].update(coordinator)
     agent = config["node_agents"][0]
     agent["stop_grace_s"] = 20
+    agent["runtime_dir"] = str(
+        workdir / "rt"
+    )  # logs, KV event sockets, the ExampleConnector's shared directory
     agent["engines"] = [
         vllm_engine(iid, e["port"], role, connector)
         for (iid, role, connector), e in zip(engines, agent["engines"], strict=True)
@@ -68,7 +71,9 @@ def start(config: dict, workdir: Path) -> RunningMesh:
         warm = {"model": MODEL_NAME, "prompt": "warm up " * 40, "max_tokens": 2}
         if engine["role"] == "decode":
             continue  # a consumer without a producer's KV would only recompute; the P/D test warms it itself
-        reply = httpx.post(f"http://{mesh.engine_address(engine['instance_id'])}/v1/completions", json=warm, timeout=120)
+        reply = httpx.post(
+            f"http://{mesh.engine_address(engine['instance_id'])}/v1/completions", json=warm, timeout=120
+        )
         assert reply.status_code == 200, reply.text
     return mesh
 

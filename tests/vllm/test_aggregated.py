@@ -14,12 +14,15 @@ from tandem.v1 import conductor_pb2, conductor_pb2_grpc, node_agent_pb2
 from tests.e2e.mesh import metric_sum
 from tests.vllm.conftest import MODEL, MODEL_NAME, real_mesh, start
 
-SHARED = "You are a careful assistant for platform engineers. " + " ".join(f"rule {i} applies here" for i in range(60))
+SHARED = "You are a careful assistant for platform engineers. " + " ".join(
+    f"rule {i} applies here" for i in range(60)
+)
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    running = start(real_mesh([("vllm-0", "hybrid", None), ("vllm-1", "hybrid", None)]), tmp_path_factory.mktemp("v"))
+    workdir = tmp_path_factory.mktemp("aggregated")
+    running = start(real_mesh([("vllm-0", "hybrid", None), ("vllm-1", "hybrid", None)], workdir), workdir)
     yield running
     assert running.stop() == 0
 
@@ -35,8 +38,9 @@ def test_agent_launched_real_engines(mesh):
     for status in engines.values():
         assert status.state == node_agent_pb2.ENGINE_STATE_RUNNING
         assert status.instance.backend == "vllm" and status.instance.block_size == 32
-        assert status.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-        assert json.loads(status.argv[status.argv.index("--kv-events-config") + 1])["endpoint"].startswith("ipc://")
+        argv = list(status.argv)
+        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"].startswith("ipc://")
 
 
 def test_completions_chat_and_streaming_through_envoy(mesh):
@@ -46,8 +50,11 @@ def test_completions_chat_and_streaming_through_envoy(mesh):
     assert data["object"] == "text_completion" and data["usage"]["completion_tokens"] == 8
     chat = httpx.post(
         mesh.http + "/v1/chat/completions",
-        json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about Envoy. " * 4}],
-              "max_tokens": 6},  # fmt: skip
+        json={
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "Tell me about Envoy. " * 4}],
+            "max_tokens": 6,
+        },  # fmt: skip
         timeout=120,
     )
     assert chat.status_code == 200, chat.text
@@ -66,7 +73,9 @@ def holders(mesh, prompt: str) -> dict[str, int]:
     tokens = load_tokenizer(MODEL).encode(prompt)
     with grpc.insecure_channel(mesh.grpc_address) as channel:
         stub = conductor_pb2_grpc.ConductorStub(channel)
-        reply = stub.Match(iter([conductor_pb2.MatchRequest(request_id="t", model=MODEL_NAME, token_ids=tokens)]))
+        reply = stub.Match(
+            iter([conductor_pb2.MatchRequest(request_id="t", model=MODEL_NAME, token_ids=tokens)])
+        )
         answer = next(iter(reply))
     return {i.instance_id: max(r.npu_blocks for r in i.ranks) for i in answer.instances}
 
@@ -83,7 +92,7 @@ def test_conductor_holds_real_events_and_kv_affinity_follows_them(mesh):
     mesh.wait_for(lambda: holders(mesh, SHARED), 20, "the conductor to index the prompt from real KV events")
     held = holders(mesh, SHARED)
     assert len(held) == 1
-    (holder, blocks), = held.items()
+    ((holder, blocks),) = held.items()
     assert blocks >= len(load_tokenizer(MODEL).encode(SHARED)) // 32 - 1
     hits_before = metric_sum(mesh.engine_address(holder), "vllm:prefix_cache_hits_total")
     before = routed(mesh)

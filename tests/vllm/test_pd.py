@@ -13,13 +13,22 @@ PROMPT = "Disaggregated serving moves the prompt's KV cache from prefill to deco
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("pd")
     config = real_mesh(
         [("prefill-0", "prefill", "ExampleConnector"), ("decode-0", "decode", "ExampleConnector")],
+        workdir,
         pd_mode="prefill_handoff_decode",
     )
-    running = start(config, tmp_path_factory.mktemp("pd"))
+    running = start(config, workdir)
     yield running
     assert running.stop() == 0
+
+
+def external_tokens(mesh, instance_id: str) -> float:
+    """Prompt tokens the engine loaded through its connector instead of computing them."""
+    return metric_sum(
+        mesh.engine_address(instance_id), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
 
 
 def test_pair_registers_as_handoff(mesh):
@@ -29,14 +38,25 @@ def test_pair_registers_as_handoff(mesh):
         assert instance.kv_connector == "ExampleConnector" and instance.dispatch_capability == 2  # HANDOFF
 
 
+def test_launched_pair_moves_kv_from_prefill_to_decode(mesh):
+    """The agent's kv_transfer_config (kv_producer / kv_consumer, one shared directory) makes a working pair: the
+    prefill engine saves the prompt's KV, the decode engine loads it (RECIPES.md's CPU P/D recipe)."""
+    prompt = PROMPT + " Direct."
+    before = external_tokens(mesh, "decode-0")
+    for iid, max_tokens in (("prefill-0", 1), ("decode-0", 8)):
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
+        reply = httpx.post(f"http://{mesh.engine_address(iid)}/v1/completions", json=body, timeout=180)
+        assert reply.status_code == 200, reply.text
+    assert external_tokens(mesh, "decode-0") > before
+
+
 def test_pd_pair_answers_through_envoy(mesh):
+    before = external_tokens(mesh, "decode-0")
     reply = httpx.post(
-        mesh.http + "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8}, timeout=180
+        mesh.http + "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8},
+        timeout=180,
     )
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 8
-    # The decode engine loaded the prompt's KV that the prefill engine saved, instead of computing it.
-    decode = mesh.engine_address("decode-0")
-    names = ("vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_by_source_total")
-    loaded = metric_sum(decode, names[0]) + metric_sum(decode, names[1], source="external_kv_transfer")
-    assert loaded > 0
+    assert external_tokens(mesh, "decode-0") > before
