@@ -52,9 +52,10 @@ def test_launched_pair_moves_kv_from_prefill_to_decode(mesh):
 
 def test_pd_pair_answers_through_envoy(mesh):
     before = external_tokens(mesh, "decode-0")
+    # A prompt no engine has cached yet (the decode engine would otherwise reuse its own prefix cache).
     reply = httpx.post(
         mesh.http + "/v1/completions",
-        json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8},
+        json={"model": MODEL_NAME, "prompt": "Through Envoy. " + PROMPT, "max_tokens": 8},
         timeout=180,
     )
     assert reply.status_code == 200, reply.text
