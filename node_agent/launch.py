@@ -25,6 +25,10 @@ Facts, each read from the sources named here (2026 snapshots):
   `MooncakeConnectorV1` and `MooncakeLayerwiseConnector`, `kv_role`, `kv_port`, `kv_connector_extra_config`
   `prefill`/`decode` with `dp_size`/`tp_size`); vllm_ascend mooncake_connector.py asserts both sides' `dp_size` and
   `tp_size` and reads `pp_size` (default 1) and `prefill.pp_layer_partition`.
+- `engine_id`: one per engine (the instance id) for every rank: vLLM appends `_dp<rank>` itself
+  (vllm/v1/engine/core.py, "ensure that the kv_transfer_config is unique for each DP rank").
+- `--data-parallel-rank` (external LB) is for MoE models; vLLM asks dense models to run independent engines
+  (arg_utils.py help text): give a dense model one engine per rank with data_parallel_size 1.
 - KV events: vllm/distributed/kv_events.py: the publisher binds ipc endpoints and tcp endpoints with `*`; per DP rank
   `offset_endpoint_port` adds the rank to tcp ports and raises on ipc endpoints when the rank is not 0.
 """
@@ -303,3 +307,9 @@ def _parallel_args(
     if headless:
         argv.append("--headless")
     return argv
+
+
+def registered_instance_ids(engine: EngineConfig, placement: Placement = Placement()) -> list[str]:
+    """The instance ids this engine registers from this node (external DP: one per local rank; none when headless);
+    for `tandem up` and tests that wait for engines by id."""
+    return [s.name for s in build_launch(engine, "/nonexistent", placement) if not s.headless]

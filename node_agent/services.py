@@ -102,10 +102,6 @@ class EngineService(_Supervised):
                 raise ServiceError(
                     f"engine {sup.name!r}: {sup.spec.argv[0]!r} not found (backend {sup.engine.backend})"
                 )
-            for source in sup.spec.kv_events:  # a stale socket file from a killed run would block the bind
-                for endpoint in (source.endpoint, source.replay_endpoint or ""):
-                    if endpoint.startswith("ipc://") and os.path.exists(endpoint[6:]):
-                        os.unlink(endpoint[6:])
 
 
 class KvStoreService(_Supervised):

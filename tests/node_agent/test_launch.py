@@ -267,3 +267,13 @@ def test_internal_dp_and_headless_secondary_node():
     assert second.argv[second.argv.index("--data-parallel-start-rank") + 1] == "2"
     # Its ranks' schedulers run here and publish here; the events belong to the head node's instance.
     assert [s.dp_rank for s in second.kv_events] == [2, 3] and second.events_instance == "i"
+
+
+def test_registered_instance_ids():
+    from node_agent.launch import registered_instance_ids
+
+    assert registered_instance_ids(engine(instance_id="a")) == ["a"]
+    dp = engine(instance_id="d", data_parallel_size=2, kv_events_port=5600)
+    assert registered_instance_ids(dp) == ["d-dp0", "d-dp1"]
+    pp = engine(instance_id="p", tensor_parallel_size=8, nnodes=2)
+    assert registered_instance_ids(pp, Placement(1, "10.0.0.1")) == []

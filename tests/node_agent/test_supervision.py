@@ -293,3 +293,19 @@ time.sleep(60)
         time.sleep(0.05)
     status = open(f"/proc/{child}/status").read() if os.path.exists(f"/proc/{child}") else ""
     assert not status or "zombie" in status
+
+
+def test_load_from_vllm_metrics_text():
+    from node_agent.supervisor import parse_load
+
+    text = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+"""
+    load = parse_load(text)
+    assert (load.running, load.waiting, load.kv_cache_usage) == (3, 3, 0.5) and load.sampled_at > 0
