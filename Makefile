@@ -40,14 +40,19 @@ test-vllm: setup
 	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py $(TINY_MODEL)
 	TANDEM_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TANDEM_TINY_MODEL=$(abspath $(TINY_MODEL)) \
-		$(BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
+		$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=build/test-vllm tests/vllm
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-bench: setup
-	$(BIN)/python -m bench.overhead
+# Benchmarks need the peer routers and tqdm (the `bench` extra); about 15 minutes on 2 cores.
+bench: setup $(VENV)/.bench-installed
+	$(BIN)/python -m bench.all
+
+$(VENV)/.bench-installed: pyproject.toml
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $@
 
 clean:
 	rm -rf $(VENV) build tandem/v1/*_pb2*.py* $(STUBS_STAMP)

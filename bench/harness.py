@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import tempfile
 
 
 def free_ports(count: int) -> list[int]:
@@ -26,7 +27,11 @@ def mesh_config(
     model: str = "tandem-sim",
     heartbeat_interval_s: float = 0.5,
 ) -> dict:
-    """A one-node mesh of simulated engines on free ports, as a dict ready for YAML."""
+    """A one-node mesh of simulated engines on free ports, as a dict ready for YAML.
+
+    The node agent gets its own runtime directory: the default, `/tmp/tandem-<node_id>`, holds the engines' KV
+    event IPC sockets and would be shared by every mesh on the machine with the same node id (meshes started one
+    after another in one benchmark, or by tests running at the same time)."""
     ports = free_ports(9 + engines)
     addr = [f"127.0.0.1:{p}" for p in ports]
     return {
@@ -47,6 +52,7 @@ def mesh_config(
         "node_agents": [
             {
                 "node_id": "n1",
+                "runtime_dir": tempfile.mkdtemp(prefix="tandem-n1-"),
                 "listen": addr[7],
                 "metrics_listen": addr[8],
                 "probe_interval_s": 0.5,

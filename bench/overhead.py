@@ -36,12 +36,12 @@ from tandem.version import __version__
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
-#: name -> (stream, fresh connection per request, concurrency key)
+#: name -> (stream, fresh connection per request, concurrency option, request count option)
 SCENARIOS = {
-    "non-streaming": (False, False, "concurrency"),
-    "streaming": (True, False, "concurrency"),
-    "streaming, fresh connections": (True, True, "concurrency"),
-    "streaming, wide": (True, False, "wide"),
+    "non-streaming": (False, False, "concurrency", "requests"),
+    "streaming": (True, False, "concurrency", "requests"),
+    "streaming, fresh connections": (True, True, "concurrency", "fresh_requests"),
+    "streaming, wide": (True, False, "wide", "requests"),
 }
 TANDEM_PATHS = {"tandem round_robin": "round_robin", "tandem kv_affinity": "kv_affinity"}
 ALL_PATHS = ["direct", *TANDEM_PATHS, *PEERS]
@@ -86,6 +86,7 @@ class PathStats:
     errors: int = 0
     busy_s: float = 0.0
     cpu_s: float = 0.0
+    cpu_by: dict[str, float] = field(default_factory=dict)  # per process, when the router has several
 
     @staticmethod
     def pct(values: list[float], q: int) -> float:
@@ -111,16 +112,18 @@ async def one_request(
                 stats.errors += 1
                 return
             if stream:
-                last = None
+                first = last = None
+                events = 0
                 async for line in resp.content:
                     if not line.startswith(b"data: {"):
                         continue
-                    now = time.perf_counter()
-                    if last is None:
-                        stats.ttfts.append(now - start)
-                    else:
-                        stats.itls.append(now - last)
-                    last = now
+                    last = time.perf_counter()
+                    if first is None:
+                        first = last
+                        stats.ttfts.append(first - start)
+                    events += 1
+                if events > 1:
+                    stats.itls.append((last - first) / (events - 1))
             else:
                 await resp.read()
     except (TimeoutError, aiohttp.ClientError):
@@ -153,7 +156,7 @@ class Path_:
 
     name: str
     urls: list[str]
-    pids: list[int]
+    pids: dict[str, int]  # process name -> pid
     policy: str = ""  # Tandem's scheduler policy for this path
 
 
@@ -188,18 +191,22 @@ class Bench:
         if missing:
             raise RuntimeError(f"engines not healthy: {missing}")
         engines = [f"127.0.0.1:{e['port']}" for e in self.config["node_agents"][0]["engines"]]
-        pids = [c.process.pid for c in self.mesh.components if c.name in ("envoy", "coordinator", "conductor")]
+        pids = {
+            c.name: c.process.pid
+            for c in self.mesh.components
+            if c.name in ("envoy", "coordinator", "conductor")
+        }
         paths = []
         for name in self.args.paths:
             if name == "direct":
-                paths.append(Path_(name, [f"http://{e}/v1/completions" for e in engines], []))
+                paths.append(Path_(name, [f"http://{e}/v1/completions" for e in engines], {}))
             elif name in TANDEM_PATHS:
                 url = f"http://{self.config['envoy']['http_listen']}/v1/completions"
                 paths.append(Path_(name, [url], pids, TANDEM_PATHS[name]))
             else:
                 peer = start_peer(name, engines, self.workdir)
                 self.peers.append(peer)
-                paths.append(Path_(name, [f"{peer.url}/v1/completions"], [peer.pid]))
+                paths.append(Path_(name, [f"{peer.url}/v1/completions"], {"router": peer.pid}))
         return paths
 
     def stop(self) -> None:
@@ -212,20 +219,24 @@ class Bench:
         body = {"model": "tandem-sim", "prompt": "Benchmark prompt " * 20, "max_tokens": a.max_tokens}
         out: dict[str, dict[str, PathStats]] = {}
         for scenario in a.scenarios:
-            stream, fresh, conc_key = SCENARIOS[scenario]
+            stream, fresh, conc_key, count_key = SCENARIOS[scenario]
             concurrency = getattr(a, conc_key)
             b = {**body, "stream": stream}
             stats = {p.name: PathStats() for p in paths}
-            per_round = a.requests // a.rounds
+            per_round = getattr(a, count_key) // a.rounds
             # Tandem's policy switches cost a reload: order the paths so each round switches at most twice.
             ordered = sorted(paths, key=lambda p: (p.policy != "round_robin", p.policy == ""))
             for _ in range(a.rounds):
                 for p in ordered:
                     if p.policy:
                         self.set_policy(p.policy)
-                    before = sum(cpu_seconds(pid) for pid in p.pids)
-                    asyncio.run(run_round(p.urls, per_round, concurrency, b, stats[p.name], stream, fresh))
-                    stats[p.name].cpu_s += sum(cpu_seconds(pid) for pid in p.pids) - before
+                    before = {n: cpu_seconds(pid) for n, pid in p.pids.items()}
+                    st = stats[p.name]
+                    asyncio.run(run_round(p.urls, per_round, concurrency, b, st, stream, fresh))
+                    for n, pid in p.pids.items():
+                        used = cpu_seconds(pid) - before[n]
+                        st.cpu_s += used
+                        st.cpu_by[n] = st.cpu_by.get(n, 0.0) + used
                     if progress is not None:
                         progress(per_round)
             out[scenario] = stats
@@ -238,7 +249,9 @@ def tables(results: dict[str, dict[str, PathStats]], args) -> str:
         f"concurrency {args.concurrency} (wide: {args.wide} streams), {args.engines} simengine engines (speedup "
         f"{args.speedup:g}, max_tokens {args.max_tokens}); tandem {__version__}, sglang-router "
         f"{version('sglang')}, vllm-router {version('vllm')}; {platform.machine()} {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}. Latencies in ms; \"+\" is what the path adds over direct.",
+        f'Python {platform.python_version()}. Latencies in ms; "+" is what the path adds over direct; ITL is '
+        "each request's mean gap between streamed events (p50/p99 over requests); fresh connections: "
+        f"{args.fresh_requests} requests per path.",
     ]
     for scenario, stats in results.items():
         stream = SCENARIOS[scenario][0]
@@ -247,7 +260,7 @@ def tables(results: dict[str, dict[str, PathStats]], args) -> str:
         head = "| path | ok / errors | req/s | p50 | p99 | + p50 | + p99 |"
         sep = "|---|---:|---:|---:|---:|---:|---:|"
         if stream:
-            head += " TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |"
+            head += " TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |"  # ITL: per request, mean gap between events
             sep += "---:|---:|---:|---:|"
         head += " CPU s / 1k req |"
         sep += "---:|"
@@ -264,7 +277,15 @@ def tables(results: dict[str, dict[str, PathStats]], args) -> str:
                     f" {s.pct(s.ttfts, 50) * 1e3:.2f} | {s.pct(s.ttfts, 99) * 1e3:.2f} "
                     f"| {s.pct(s.itls, 50) * 1e3:.2f} | {s.pct(s.itls, 99) * 1e3:.2f} |"
                 )
-            cpu = f"{s.cpu_s / len(s.latencies) * 1000:.2f}" if name != "direct" and s.latencies else ""
+            cpu = ""
+            if name != "direct" and s.latencies:
+                cpu = f"{s.cpu_s / len(s.latencies) * 1000:.2f}"
+                if len(s.cpu_by) > 1:
+                    cpu += (
+                        " ("
+                        + ", ".join(f"{n} {v / len(s.latencies) * 1000:.2f}" for n, v in s.cpu_by.items())
+                        + ")"
+                    )
             lines.append(row + f" {cpu} |")
     return "\n".join(lines)
 
@@ -286,10 +307,10 @@ def plot(results: dict[str, dict[str, PathStats]], path: Path) -> None:
         xs = [x + (i - (len(scenarios) - 1) / 2) * width for x in range(len(names))]
         base = d.pct(d.latencies, 50) if d is not None else 0.0
         axes[0].bar(xs, [(st[n].pct(st[n].latencies, 50) - base) * 1e3 for n in names], width, label=sc)
-        axes[1].bar(
-            xs, [st[n].cpu_s / max(len(st[n].latencies), 1) * 1000 for n in names], width, label=sc
-        )
-    for ax, title in zip(axes, ("added p50 latency over direct (ms)", "router CPU s per 1k requests"), strict=True):
+        axes[1].bar(xs, [st[n].cpu_s / max(len(st[n].latencies), 1) * 1000 for n in names], width, label=sc)
+    for ax, title in zip(
+        axes, ("added p50 latency over direct (ms)", "router CPU s per 1k requests"), strict=True
+    ):
         ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
         ax.set_title(title)
     axes[0].legend(fontsize=8)
@@ -305,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="requests per path and scenario")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--wide", type=int, default=256, help="concurrent streams of the wide scenario")
+    parser.add_argument(
+        "--fresh-requests", type=int, default=500, help="requests per path, fresh connections"
+    )
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="alternations between the paths")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -321,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     bench = Bench(args)
-    total = args.requests // args.rounds * args.rounds * len(args.paths) * len(args.scenarios)
+    counts = [getattr(args, SCENARIOS[s][3]) // args.rounds * args.rounds for s in args.scenarios]
+    total = sum(counts) * len(args.paths)
     try:
         paths = bench.start()
         warm = {"model": "tandem-sim", "prompt": "warm up", "max_tokens": 2}

@@ -117,6 +117,16 @@ def run_row(label: str, args, requests, workdir: Path, progress=None) -> Row:
     return Row(label, result, (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan"), fallbacks)
 
 
+def run_row_isolated(label: str, args, requests, workdir: Path) -> Row:
+    """`run_row` in a fresh interpreter: a mesh started as the second one of a process measured slower for
+    kv_affinity (reproducibly, cause not found), so each row gets its own client process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_row, label, args, requests, workdir).result()
+
+
 def plot(rows: list[Row], speedup: float, path: Path) -> None:
     """TTFT p50/p90/p99 per row as grouped bars (simulated ms)."""
     import matplotlib
@@ -190,7 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rate", type=float, default=1.25, help="arrival compression in simulated time")
     parser.add_argument(
-        "--time-scale", type=float, help="wall-clock arrival compression (overrides --rate: rate = it / speedup)"
+        "--time-scale",
+        type=float,
+        help="wall-clock arrival compression (overrides --rate: rate = it / speedup)",
     )
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--speedup", type=float, default=10.0, help="simengine --speedup")
@@ -200,7 +212,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="TTFT SLO, in simulated time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--match-timeout-ms", type=float, default=0, help="coordinator's conductor Match deadline (0: default)"
+        "--match-timeout-ms",
+        type=float,
+        default=0,
+        help="coordinator's conductor Match deadline (0: default)",
     )
 
 
@@ -228,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     workdir = Path(tempfile.mkdtemp(prefix="tandem-policies-"))
     rows = []
-    for label in args.policies:
-        with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr) as bar:
-            rows.append(run_row(label, args, requests, workdir, bar))
+    with tqdm(args.policies, desc="policies", unit="row", file=sys.stderr) as bar:
+        for label in bar:
+            bar.set_postfix_str(label)
+            rows.append(run_row_isolated(label, args, requests, workdir))
     text = table(rows, args, len(requests)) + "\n\n" + verdict(rows)
     print(text)
     if args.output_dir:

@@ -41,7 +41,9 @@ class WorkloadCollector:
 
     def collect(self):
         family = GaugeMetricFamily(
-            "tandem_coordinator_workload_tokens", "Tokens committed to an instance", labels=["instance", "bucket"]
+            "tandem_coordinator_workload_tokens",
+            "Tokens committed to an instance",
+            labels=["instance", "bucket"],
         )
         if self.ledger is not None:
             for iid in self.instance_ids():

@@ -17,6 +17,7 @@ from node_agent.supervisor import EngineState, EngineSupervisor
 from node_agent.systemd import SystemdNotify
 from tandem.config import ConfigError, MeshConfig
 from tandem.grpc_server import GrpcApp
+from tandem.netaddr import split_host_port
 from tandem.v1 import node_agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,9 @@ class NodeAgent:
         placement: Placement | None = None,
     ) -> None:
         self.config = config
-        self.runtime_dir = config.runtime_dir or f"/tmp/tandem-{config.node_id}"
+        # The agent's port in the default keeps two meshes on one machine (same node id) from sharing sockets.
+        port = split_host_port(config.listen)[1]
+        self.runtime_dir = config.runtime_dir or f"/tmp/tandem-{config.node_id}-{port}"
         self.supervisors: dict[str, EngineSupervisor] = {}
         self.link = CoordinatorLink(coordinator_address, config.node_id, self._engine_supervisors)
         self.relay = KvEventRelay(conductor_address, config.node_id)

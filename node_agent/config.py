@@ -303,7 +303,7 @@ class NodeAgentConfig(BaseModel):
     conductor_address: str | None = None
     """Conductor gRPC address; the mesh file's `conductor.listen` when unset."""
     runtime_dir: str | None = None
-    """Where engine logs and IPC sockets go; `/tmp/tandem-<node_id>` when unset."""
+    """Where engine logs and IPC sockets go; `/tmp/tandem-<node_id>-<listen port>` when unset."""
     probe_interval_s: float = Field(default=2.0, gt=0)
     """How often each engine's `/health` and `/metrics` are read."""
     stop_grace_s: float = Field(default=10.0, gt=0)

@@ -73,7 +73,9 @@ class MeshConfig(BaseModel):
 
     @model_validator(mode="after")
     def _metaserver_reachable(self) -> MeshConfig:
-        if self.coordinator.metaserver_address is None and is_wildcard(split_host_port(self.envoy.grpc_listen)[0]):
+        if self.coordinator.metaserver_address is None and is_wildcard(
+            split_host_port(self.envoy.grpc_listen)[0]
+        ):
             raise ValueError(
                 "coordinator.metaserver_address: required when envoy.grpc_listen is a wildcard address "
                 "(decode engines must be given an address they can reach)"

@@ -240,8 +240,10 @@ def up(mesh: MeshConfig, config_path: str, run_dir: Path, engine_timeout: float 
         while not stopping:
             for component in cluster.dead():
                 if not cluster.restart(component):
-                    print(f"tandem up: {component.name} keeps exiting; last lines of {component.log_path}:",
-                          file=sys.stderr)
+                    print(
+                        f"tandem up: {component.name} keeps exiting; last lines of {component.log_path}:",
+                        file=sys.stderr,
+                    )
                     print(component.tail(), file=sys.stderr)
                     return 1
             time.sleep(0.2)

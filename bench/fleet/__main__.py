@@ -3,7 +3,8 @@ time, in-process, so a whole trace replays against 8 to 512 instances in minutes
 
     python -m bench.fleet rows   [--instances 4] [--rate 1.25] [--requests 300] ...   # one row per policy
     python -m bench.fleet sweep  [...]   # kv_affinity parameter grid; writes bench/tuned_kv_affinity.json
-    python -m bench.fleet scale  [--sizes 8 64 512] [--base-instances 4] ...
+    python -m bench.fleet scale  [--sizes 8 64 512] [--base-instances 8] ...
+    python -m bench.fleet validate [--instances 2] [--rate 0.625] [--speedup 2] ...  # against the real mesh
 
 Every figure is simulated time; the same seed gives the same figures. Decision times are wall-clock time of the
 coordinator's and conductor's own Python (Match, candidate building, pick), per decision.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +51,22 @@ def caption(args, what: str) -> str:
         f"{args.max_output}), arrivals x{args.rate:g} per copy, {args.npu_blocks} NPU blocks of 16 tokens per "
         f"engine (ascend-910b), engine load reported every {args.load_interval:g} s, seed {args.seed}. "
         "TTFT in simulated ms."
+        + (
+            " What-if: the coordinator releases each request's prefill tokens at its first token."
+            if getattr(args, "release_prefill_at_first_token", False)
+            else ""
+        )
+    )
+
+
+def base_config(args, policy: str, params) -> FleetConfig:
+    return FleetConfig(
+        args.instances,
+        policy,
+        params,
+        engine(args),
+        args.load_interval,
+        release_prefill_at_first_token=args.release_prefill_at_first_token,
     )
 
 
@@ -62,13 +80,7 @@ def engine(args) -> EngineSpec:
 
 def cmd_rows(args, progress=None) -> tuple[str, dict[str, FleetResult]]:
     rows = {**POLICY_ROWS, "kv_affinity_tuned": ("kv_affinity", tuned())}
-    jobs = [
-        (
-            FleetConfig(args.instances, p, params, engine(args), args.load_interval),
-            workload(args),
-        )
-        for p, params in rows.values()
-    ]
+    jobs = [(base_config(args, p, params), workload(args)) for p, params in rows.values()]
     results = dict(zip(rows, run_many(jobs, args.workers, progress), strict=True))
     lines = [
         caption(args, f"Fleet simulator, {args.instances} instances"),
@@ -89,9 +101,12 @@ def tuned() -> dict:
 
 
 def cmd_sweep(args, progress=None) -> tuple[str, dict]:
-    base = FleetConfig(args.instances, "kv_affinity", None, engine(args), args.load_interval)
+    base = base_config(args, "kv_affinity", None)
     grid = sweep_jobs(base, workload(args))
-    peers = [(label, (replace(base, policy=p, params=params), workload(args))) for label, (p, params) in POLICY_ROWS.items()]
+    peers = [
+        (label, (replace(base, policy=p, params=params), workload(args)))
+        for label, (p, params) in POLICY_ROWS.items()
+    ]
     results = run_many([j for _, j in grid] + [j for _, j in peers], args.workers, progress)
     swept = list(zip([p for p, _ in grid], results[: len(grid)], strict=True))
     peer_results = dict(zip([label for label, _ in peers], results[len(grid) :], strict=True))
@@ -99,12 +114,14 @@ def cmd_sweep(args, progress=None) -> tuple[str, dict]:
     others = {k: v for k, v in peer_results.items() if k != "kv_affinity"}
     beats = all(best.mean_ttft < r.mean_ttft and best.pct(99) < r.pct(99) for r in others.values())
     chosen = {"params": best_params, "score_s": round(score(best), 4), "beats_peers_in_sim": beats}
-    if args.write:
+    if args.write and not args.release_prefill_at_first_token:
         TUNED_FILE.write_text(json.dumps({**chosen, "sweep": caption(args, "sweep")}, indent=1) + "\n")
-    grid_keys = ", ".join(f"`{k}` in {v}" for k, v in SWEEP_GRID.items())
+    grid_keys = "; ".join(
+        f"mode {m}: `load_weight` in {w}, `load_gate_topn` in {g}" for m, w, g in SWEEP_GRID
+    )
     lines = [
         caption(args, f"kv_affinity sweep, {args.instances} instances")
-        + f" Grid: {grid_keys} (mode blend). Ranked by mean + p99 TTFT; the five best and the peers:",
+        + f" Grid: {grid_keys}. Ranked by mean + p99 TTFT; the five best and the peers:",
         "",
         "| kv_affinity params / policy | TTFT p50 | p90 | p99 | mean | within SLO | output tok/s | prefix hit rate |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -124,7 +141,14 @@ def cmd_sweep(args, progress=None) -> tuple[str, dict]:
 
 
 def cmd_scale(args, progress=None) -> tuple[str, list]:
-    jobs = scale_jobs(args.sizes, args.base_instances, engine(args), workload(args), tuned(), load_interval_s=args.load_interval)
+    jobs = scale_jobs(
+        args.sizes,
+        args.base_instances,
+        engine(args),
+        workload(args),
+        tuned(),
+        load_interval_s=args.load_interval,
+    )
     results = run_many([j for _, _, j in jobs], args.workers, progress)
     rows = [(n, label, r) for (n, label, _), r in zip(jobs, results, strict=True)]
     lines = [
@@ -145,6 +169,80 @@ def cmd_scale(args, progress=None) -> tuple[str, list]:
     return "\n".join(lines), rows
 
 
+def cmd_validate(args, progress=None) -> tuple[str, float]:
+    """The same trace slice, engines and policies replayed through the real mesh (in real time, at `--speedup`)
+    and through the simulator; engine load reaches the coordinator every 0.5 s of wall time there."""
+    import tempfile
+    from argparse import Namespace
+
+    from bench.fleet.validate import compare
+    from bench.policies import run_row_isolated
+    from bench.trace import load_trace
+    from tandem.tokenizer import load_tokenizer
+
+    real_args = Namespace(
+        speedup=args.speedup,
+        npu_blocks=args.npu_blocks,
+        engines=args.instances,
+        match_timeout_ms=args.match_timeout_ms,
+    )
+    tok = load_tokenizer(None)
+    requests = load_trace(
+        args.trace, args.requests, args.rate * args.speedup, tok, args.seed, args.max_input, args.max_output
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-validate-"))
+    real = []
+    load_before = os.getloadavg()[0]
+    for label in args.rows:
+        real.append(run_row_isolated(label, real_args, requests, workdir))
+        if progress is not None:
+            progress(1)
+    load_after = os.getloadavg()[0]
+    load_interval = 0.5 * args.speedup
+    fleet = {}
+    for label in args.rows:
+        policy, params = POLICY_ROWS[label]
+        cfg = FleetConfig(args.instances, policy, params, engine(args), load_interval)
+        fleet[label] = run_many([(cfg, workload(args))], 1)[0]
+        if progress is not None:
+            progress(1)
+    # Sensitivity: the same runs with a few ms of seeded routing jitter (the real mesh's routing time varies).
+    jitter_s = args.jitter_ms / 1000 * args.speedup
+    jobs = [
+        (
+            label,
+            replace(
+                FleetConfig(args.instances, *POLICY_ROWS[label], engine(args), load_interval),
+                route_jitter_s=jitter_s,
+                seed=s,
+            ),
+        )
+        for label in args.rows
+        for s in range(1, args.jitter_runs + 1)
+    ]
+    results = run_many([(cfg, workload(args)) for _, cfg in jobs], args.workers)
+    jittered: dict[str, list[FleetResult]] = {}
+    for (label, _), r in zip(jobs, results, strict=True):
+        jittered.setdefault(label, []).append(r)
+    if progress is not None:
+        progress(1)
+    table, worst = compare(real, fleet, args.speedup, jittered)
+    args.load_interval = load_interval
+    head = (
+        caption(args, f"Fleet simulator against the real-time mesh, {args.instances} engines")
+        + f" Real-time side: `bench.policies` replay at speedup {args.speedup:g} (TTFT x speedup), conductor "
+        f"Match deadline {args.match_timeout_ms:g} ms; simulator: engine load every {load_interval:g} simulated s; "
+        f"jittered runs add a seeded uniform 0-{args.jitter_ms:g} ms (wall) routing delay per request. "
+        f"Machine load average (1 min) before / after the real-time side: {load_before:.1f} / {load_after:.1f} "
+        "(2 cores; other work shares the machine)."
+    )
+    verdict = (
+        f"Largest difference (simulator without jitter against the mesh) over TTFT p50/p90/p99/mean and hit rate: {worst:.1%}"
+        + (" (within 10%)." if worst <= 0.10 else " (more than 10%).")
+    )
+    return f"{head}\n\n{table}\n\n{verdict}", worst
+
+
 def plot_scale(rows, path: Path) -> None:
     """Mean TTFT, hit rate and decision time per policy against fleet size."""
     import matplotlib
@@ -162,7 +260,9 @@ def plot_scale(rows, path: Path) -> None:
         axes[1].plot(xs, [r.hit_rate * 100 for _, r in pts], marker="o", label=label)
         axes[2].plot(xs, [sum(r.decision_us().values()) for _, r in pts], marker="o", label=label)
     for ax, title in zip(
-        axes, ("mean TTFT (simulated ms)", "prefix hit rate (%)", "decision time (us per request)"), strict=True
+        axes,
+        ("mean TTFT (simulated ms)", "prefix hit rate (%)", "decision time (us per request)"),
+        strict=True,
     ):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
@@ -187,37 +287,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
+    p.add_argument(
+        "--release-prefill-at-first-token",
+        action="store_true",
+        help="what-if: the coordinator releases a request's prefill tokens at its first token",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("rows", "sweep", "scale"):
+    for name in ("rows", "sweep", "scale", "validate"):
         s = sub.add_parser(name)
         add_arguments(s)
         s.add_argument("--output-dir", help="write fleet-<cmd>.md (and a plot for scale) here")
         if name == "sweep":
-            s.add_argument("--no-write", dest="write", action="store_false", help="do not update the tuned file")
+            s.add_argument(
+                "--no-write", dest="write", action="store_false", help="do not update the tuned file"
+            )
         if name == "scale":
             s.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
-            s.add_argument("--base-instances", type=int, default=4, help="instances per copy of the trace")
+            s.add_argument("--base-instances", type=int, default=8, help="instances per copy of the trace")
+            s.set_defaults(rate=2.5, requests=100)
+        if name == "validate":
+            s.add_argument(
+                "--speedup", type=float, default=2.0, help="simengine --speedup of the real-time side"
+            )
+            s.add_argument("--match-timeout-ms", type=float, default=200.0)
+            s.add_argument(
+                "--jitter-ms", type=float, default=5.0, help="routing jitter of the sensitivity runs"
+            )
+            s.add_argument("--jitter-runs", type=int, default=4)
+            s.add_argument("--rows", nargs="+", default=["round_robin", "kv_affinity", "sglang_cache_aware"])
+            s.set_defaults(instances=2, rate=0.625, requests=150)
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
 
-    total = {"rows": len(POLICY_ROWS) + 1, "sweep": None, "scale": None}[args.cmd]
+    total = {"rows": len(POLICY_ROWS) + 1, "sweep": None, "scale": None, "validate": None}[args.cmd]
     with tqdm(total=total, desc=f"fleet {args.cmd}", unit="run", file=sys.stderr) as bar:
         if args.cmd == "rows":
             text, _ = cmd_rows(args, bar.update)
         elif args.cmd == "sweep":
             text, _ = cmd_sweep(args, bar.update)
+        elif args.cmd == "validate":
+            text, _ = cmd_validate(args, bar.update)
         else:
             text, rows = cmd_scale(args, bar.update)
     print(text)
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"fleet-{args.cmd}.md").write_text(text + "\n")
+        suffix = "-whatif" if args.release_prefill_at_first_token else ""
+        (out / f"fleet-{args.cmd}{suffix}.md").write_text(text + "\n")
         if args.cmd == "scale":
             plot_scale(rows, out / "fleet-scale.png")
     return 0

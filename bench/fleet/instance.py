@@ -126,7 +126,9 @@ class LazyBlockPool(BlockPool):
     instances of 16k blocks). Same allocation order: vLLM's free queue starts with every block in id order and
     freed blocks go to its tail, so never-used blocks are always taken before freed ones."""
 
-    def __init__(self, num_blocks: int, block_size: int, sink: EventSink, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, sink: EventSink, enable_caching: bool = True
+    ) -> None:
         super().__init__(1, block_size, sink, enable_caching)
         self.num_blocks = num_blocks
         self.blocks = []

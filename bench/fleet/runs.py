@@ -23,12 +23,11 @@ POLICY_ROWS: dict[str, tuple[str, Mapping[str, Any] | None]] = {
     "kv_affinity": ("kv_affinity", None),
 }
 
-#: The sweep's grid over kv_affinity's parameters (mode blend; `load_gate_topn` 0 means no gate).
-SWEEP_GRID: dict[str, list] = {
-    "load_weight": [0.05, 0.1, 0.25, 0.5, 1.0, 2.0],
-    "prefill_load_scale": [1.0, 2.0],
-    "load_gate_topn": [0, 2],
-}
+#: The sweep's grid over kv_affinity's parameters: (mode, load_weight values, load_gate_topn values).
+SWEEP_GRID: list[tuple[str, list[float], list[int]]] = [
+    ("blend", [0.02, 0.25, 1.0, 2.0], [0, 2, 3]),
+    ("prefix", [0.0, 1.0], [0, 2, 3]),
+]
 
 
 @dataclass(frozen=True)
@@ -60,9 +59,7 @@ def run_one(job: tuple[FleetConfig, Workload]) -> FleetResult:
     return simulate(cfg, work.arrivals(), _token_ids(), work.seed)
 
 
-def run_many(
-    jobs: list[tuple[FleetConfig, Workload]], workers: int = 0, progress=None
-) -> list[FleetResult]:
+def run_many(jobs: list[tuple[FleetConfig, Workload]], workers: int = 0, progress=None) -> list[FleetResult]:
     """Simulations in `workers` processes (0: one per core), results in job order."""
     workers = workers or os.cpu_count() or 1
     if workers == 1 or len(jobs) == 1:
@@ -85,11 +82,11 @@ def run_many(
 
 
 def sweep_jobs(base: FleetConfig, work: Workload) -> list[tuple[dict, tuple[FleetConfig, Workload]]]:
-    keys = list(SWEEP_GRID)
     out = []
-    for values in itertools.product(*(SWEEP_GRID[k] for k in keys)):
-        params = dict(zip(keys, values, strict=True))
-        out.append((params, (replace(base, policy="kv_affinity", params=params), work)))
+    for mode, weights, gates in SWEEP_GRID:
+        for weight, gate in itertools.product(weights, gates):
+            params = {"mode": mode, "load_weight": weight, "load_gate_topn": gate}
+            out.append((params, (replace(base, policy="kv_affinity", params=params), work)))
     return out
 
 

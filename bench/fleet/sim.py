@@ -10,6 +10,7 @@ randomness is seeded, so a run is a pure function of (config, arrivals).
 from __future__ import annotations
 
 import heapq
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +39,11 @@ class FleetConfig:
     engine: EngineSpec = EngineSpec()  # every engine's options
     load_interval_s: float = 4.0  # how often engine load (running, waiting, KV usage) reaches the coordinator
     route_delay_s: float = 0.0  # from arrival to the engine queue (routing time, in simulated seconds)
+    route_jitter_s: float = 0.0  # plus a uniform random delay up to this (seeded by `seed`)
+    seed: int = 0  # of the routing jitter
+    #: What-if: the coordinator learns of each first token and releases the request's prefill tokens then (the
+    #: real coordinator releases them only when the response ends).
+    release_prefill_at_first_token: bool = False
     model: str = "tandem-sim"
 
 
@@ -171,6 +177,7 @@ class Fleet:
         commitments: dict[int, Any] = {}  # id(request) -> (commitment, arrival)
         max_len = cfg.engine.max_model_len
         first_at = arrivals[0].at_s if arrivals else 0.0
+        jitter = random.Random(cfg.seed)
         last = first_at
         while queue:
             now, _, kind, obj = heapq.heappop(queue)
@@ -180,6 +187,12 @@ class Fleet:
                     commitment, a = commitments[id(req)]
                     if len(req.output_token_ids) == 1:
                         r.ttft_s.append(now - a.at_s)
+                        if cfg.release_prefill_at_first_token and commitment.prefill_tokens:
+                            ledger.release(commitment)
+                            commitment = ledger.commit(
+                                commitment.instance_id, 0, commitment.decode_tokens, commitment.context_tokens
+                            )
+                            commitments[id(req)] = (commitment, a)
                     if req.is_finished:
                         ledger.release(commitment)
                         del commitments[id(req)]
@@ -217,8 +230,11 @@ class Fleet:
                     arrival_time=a.at_s,
                 )
                 commitments[id(req)] = (commitment, a)
-                if cfg.route_delay_s > 0:
-                    heapq.heappush(queue, (now + cfg.route_delay_s, seq, _STEP_END + 10, (inst, req)))
+                delay = cfg.route_delay_s + (
+                    jitter.uniform(0.0, cfg.route_jitter_s) if cfg.route_jitter_s else 0.0
+                )
+                if delay > 0:
+                    heapq.heappush(queue, (now + delay, seq, _STEP_END + 10, (inst, req)))
                     seq += 1
                     continue
                 self._enqueue(inst, req, now, queue, seq)

@@ -11,12 +11,17 @@ def _diff(sim: float, real: float) -> str:
     return f"{(sim - real) / real:+.0%}" if real else "n/a"
 
 
-def compare(real_rows, fleet: dict[str, FleetResult], speedup: float) -> tuple[str, float]:
+def compare(
+    real_rows,
+    fleet: dict[str, FleetResult],
+    speedup: float,
+    jittered: dict[str, list[FleetResult]] | None = None,
+) -> tuple[str, float]:
     """A markdown table of real (`bench.policies.Row`, wall-clock TTFT x speedup) against simulated figures per
     policy, and the largest relative difference over TTFT p50/p90/p99/mean and hit rate."""
     lines = [
-        "| policy | source | TTFT p50 | p90 | p99 | mean | prefix hit rate |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| policy | source | TTFT p50 | p90 | p99 | mean | prefix hit rate | Match fallbacks |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     worst = 0.0
     for row in real_rows:
@@ -33,16 +38,28 @@ def compare(real_rows, fleet: dict[str, FleetResult], speedup: float) -> tuple[s
         lines.append(
             f"| {row.label} | real-time mesh | "
             + " | ".join(f"{v * 1000:.0f}" for v in real[:4])
-            + f" | {real[4]:.1%} |"
+            + f" | {real[4]:.1%} | {row.fallbacks:.0f} |"
         )
         lines.append(
             f"| {row.label} | fleet simulator | "
             + " | ".join(f"{v * 1000:.0f}" for v in simv[:4])
-            + f" | {simv[4]:.1%} |"
+            + f" | {simv[4]:.1%} | |"
         )
+        runs = (jittered or {}).get(row.label)
+        if runs:
+            cells = []
+            for f in (lambda x: x.pct(50), lambda x: x.pct(90), lambda x: x.pct(99), lambda x: x.mean_ttft):
+                values = [f(x) * 1000 for x in runs]
+                cells.append(f"{min(values):.0f}-{max(values):.0f}")
+            hits = [x.hit_rate for x in runs]
+            lines.append(
+                f"| {row.label} | simulator, {len(runs)} jittered runs (range) | "
+                + " | ".join(cells)
+                + f" | {min(hits):.1%}-{max(hits):.1%} | |"
+            )
         lines.append(
             f"| {row.label} | difference | "
             + " | ".join(_diff(a, b) for a, b in zip(simv, real, strict=True))
-            + " |"
+            + " | |"
         )
     return "\n".join(lines), worst

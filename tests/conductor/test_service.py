@@ -159,9 +159,7 @@ def test_bad_configuration_exits_with_one_line(tmp_path):
         [sys.executable, "-m", "conductor", "--config", str(cfg)], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 2
-    assert (
-        "config error" in out.stderr and "conductor.listen" in out.stderr and "127.0.0.1" in out.stderr
-    )
+    assert "config error" in out.stderr and "conductor.listen" in out.stderr and "127.0.0.1" in out.stderr
     cfg.write_text("conductor:\n  max_entriez: 5\n")
     out = subprocess.run(
         [sys.executable, "-m", "conductor", "--config", str(cfg)], capture_output=True, text=True, timeout=30

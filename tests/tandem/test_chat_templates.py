@@ -17,8 +17,9 @@ def tokenizer_dir(tmp_path):
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["hello world the weather tool answers in celsius"] * 50, trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}
@@ -34,4 +35,6 @@ def test_jinja_template_with_tools(tmp_path):
     assert text == f"<s><|user|>\nhello\n<|tools|>{expected_tools}\n<|assistant|>\n"
     body = {"messages": [{"role": "user", "content": "hello"}], "tools": tools}
     assert prompt_token_ids(hf, "chat.completions", body) == [hf.encode(text)]
-    assert hf.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False).endswith("x\n")
+    assert hf.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False).endswith(
+        "x\n"
+    )

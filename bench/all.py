@@ -1,0 +1,212 @@
+"""`make bench`: every benchmark at a size that fits 2 cores in about 15 minutes, then `docs/benchmarks.md`.
+
+    python -m bench.all [--docs docs] [--only overhead policies ...]
+
+Each step is the command shown in the report, run as a subprocess (its progress bars on stderr); the pieces it
+writes under `docs/bench/` are assembled into `docs/benchmarks.md` with the machine, versions and run times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench.peers import version as peer_version
+from tandem.version import __version__
+
+PY = "python"  # shown in the report; run with sys.executable
+
+#: (name, title, argv after `python -m`, markdown piece it writes or None to keep its stdout)
+STEPS: list[tuple[str, str, list[str], str | None]] = [
+    (
+        "overhead",
+        "Overhead: direct, Tandem and the peer routers",
+        ["bench.overhead", "--output", "{out}/overhead.md", "--plot", "{out}/overhead.png"],
+        "overhead.md",
+    ),
+    (
+        "sweep",
+        "Tuning kv_affinity in the fleet simulator",
+        ["bench.fleet", "sweep", "--output-dir", "{out}"],
+        "fleet-sweep.md",
+    ),
+    (
+        "whatif",
+        "What-if in the simulator: prefill tokens released at the first token",
+        [
+            "bench.fleet",
+            "sweep",
+            "--release-prefill-at-first-token",
+            "--no-write",
+            "--output-dir",
+            "{out}",
+        ],
+        "fleet-sweep-whatif.md",
+    ),
+    (
+        "policies",
+        "Trace replay through the mesh and the peer routers",
+        ["bench.policies", "--speedup", "5", "--match-timeout-ms", "100", "--output-dir", "{out}"],
+        "policies.md",
+    ),
+    (
+        "validate",
+        "Fleet simulator validation against the real-time mesh",
+        ["bench.fleet", "validate", "--output-dir", "{out}"],
+        "fleet-validate.md",
+    ),
+    (
+        "scale",
+        "Fleet scale: 8, 64 and 512 instances",
+        ["bench.fleet", "scale", "--output-dir", "{out}"],
+        "fleet-scale.md",
+    ),
+    (
+        "simengine",
+        "Simulated engine: streamed tokens/s and timing model",
+        ["bench.simengine_bench", "--seconds", "5", "--runs", "2"],
+        None,
+    ),
+    (
+        "conductor",
+        "Conductor index: ingest, Match latency, memory",
+        ["bench.conductor_bench", "--quick"],
+        None,
+    ),
+]
+
+PLOTS = {
+    "overhead": "overhead.png",
+    "policies": "policies.png",
+    "scale": "fleet-scale.png",
+}
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+
+
+def machine() -> list[tuple[str, str]]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = "unknown"
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kb / 1024 / 1024:.0f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    envoy = _run([str(Path(sys.executable).parent / "envoy"), "--version"]).split("version:")[-1].strip()
+    return [
+        ("date (UTC)", datetime.now(UTC).strftime("%Y-%m-%d %H:%M")),
+        ("CPU", f"{cpu}, {os.cpu_count()} cores"),
+        ("memory", mem),
+        ("load average at start (other work on the machine)", " ".join(f"{x:.2f}" for x in os.getloadavg())),
+        ("OS / Python", f"{platform.system()} {platform.release()} / {platform.python_version()}"),
+        ("tandem", __version__),
+        ("Envoy", envoy[:80] or "n/a"),
+        ("sglang-router", peer_version("sglang")),
+        ("vllm-router", peer_version("vllm")),
+        ("git commit", _run(["git", "rev-parse", "--short", "HEAD"]) or "n/a"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--docs", default="docs", help="where benchmarks.md and bench/ go")
+    parser.add_argument("--only", nargs="+", choices=[s[0] for s in STEPS], help="run only these steps")
+    args = parser.parse_args(argv)
+    docs = Path(args.docs)
+    out = docs / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    meta_path = out / "steps.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    total0 = time.monotonic()
+    for name, title, argv_tpl, _piece in STEPS:
+        if args.only and name not in args.only:
+            continue
+        argv_ = [a.replace("{out}", str(out)) for a in argv_tpl]
+        shown = " ".join([PY, "-m", *map(shlex.quote, argv_)])
+        print(f"== {title}: {shown}", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", *argv_], stdout=subprocess.PIPE, text=True)
+        (out / f"{name}.stdout.txt").write_text(proc.stdout)
+        meta[name] = {
+            "command": shown,
+            "seconds": round(time.monotonic() - t0, 1),
+            "exit": proc.returncode,
+            "finished": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
+            "load_after": round(os.getloadavg()[0], 2),
+        }
+        meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    total = time.monotonic() - total0
+    sections = []
+    for name, title, _, piece in STEPS:
+        if name not in meta:
+            continue
+        m = meta[name]
+        stdout = (out / f"{name}.stdout.txt").read_text() if (out / f"{name}.stdout.txt").exists() else ""
+        if m["exit"] != 0:
+            body = f"**This step failed (exit {m['exit']}); its output:**\n\n```\n{stdout.strip()}\n```"
+        elif piece is not None and (out / piece).exists():
+            body = (out / piece).read_text().strip()
+        else:
+            body = "```\n" + stdout.strip() + "\n```"
+        plot = PLOTS.get(name)
+        if plot and (out / plot).exists() and m["exit"] == 0:
+            body += f"\n\n![{title}](bench/{plot})"
+        sections.append((name, title, m, body))
+    write_report(docs / "benchmarks.md", info, sections, total, args.only)
+    print(f"wrote {docs / 'benchmarks.md'} ({total / 60:.1f} min of benchmarks this run)", file=sys.stderr)
+    return 0
+
+
+def write_report(path: Path, info, sections, total: float, only) -> None:
+    from bench.report import INTRO, notes
+
+    lines = [INTRO, "", "## Machine and versions", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in info]
+    all_minutes = sum(m["seconds"] for _, _, m, _ in sections) / 60
+    lines += [
+        "",
+        f"`make bench` (`python -m bench.all`) runs the steps below, {all_minutes:.1f} minutes in all as last run"
+        + (f" (this report's last invocation re-ran only: {', '.join(only)})" if only else "")
+        + ":",
+        "",
+        "| step | command | minutes | finished (UTC) | load average after |",
+        "|---|---|---:|---|---:|",
+    ]
+    lines += [
+        f"| {title} | `{m['command']}` | {m['seconds'] / 60:.1f} | {m['finished']} | {m['load_after']} |"
+        for _, title, m, _ in sections
+    ]
+    for name, title, m, body in sections:
+        lines += ["", f"## {title}", "", f"`{m['command']}` ({m['seconds']:.0f} s)", ""]
+        note = notes(name, body)
+        if note:
+            lines += [note, ""]
+        lines.append(body)
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Fixed text of `docs/benchmarks.md`: what each benchmark measures and how to read it (figures come from runs)."""
+
+from __future__ import annotations
+
+INTRO = """# Benchmarks
+
+Written by `make bench` (`python -m bench.all`); do not edit by hand, re-run it. Every figure is a ratio or a
+side-by-side comparison measured in one run on the same engines and load, never an absolute time taken alone.
+Simulated engines (`simengine`, ascend-910b timing profile) stand in for NPUs; "simulated ms" are wall-clock
+milliseconds multiplied by the engines' `--speedup`. Each benchmark also runs alone with its own options (the
+commands below; `--help` on each). Seeds are fixed: the fleet simulator's figures are identical from run to run;
+the real-time figures vary with the machine's load (noted below), which other work on this machine shares.
+
+Left out: the `aiperf` cross-check of our load generator (`bench/replay.py`) is not part of `make bench`; its
+~1.2 GB install was not worth it on this 2-core machine. P/D (handoff) routing is not benchmarked here."""
+
+_NOTES = {
+    "overhead": """The same engines (`simengine --speedup 10`, 16 output tokens) reached directly (client-side
+round-robin), through Tandem (Envoy + ext_proc coordinator; `round_robin`, and `kv_affinity`, which also asks the
+conductor), and through `sglang-router` 0.3.2 and `vllm-router` 0.1.17 with round-robin and cache-aware policies,
+both bound to 127.0.0.1 (Prometheus too). Paths take turns in rounds. "+ p50/p99" is latency added over direct;
+TTFT is the first SSE data event, ITL the gap between data events; "fresh connections" opens one TCP
+connection per request. CPU s / 1k requests counts the router's processes only (Tandem: Envoy, coordinator and
+conductor). The load generator (aiohttp, one Python process) shares the 2 cores with the engines and the router
+under test, so requests/s is capped by the client; compare rows, not absolute figures.""",
+    "sweep": """The sweep runs in the fleet simulator (cheap, deterministic) on the configuration of the trace replay
+below (4 engines, first 300 conversation requests, arrivals x1.25). It ranks kv_affinity parameter sets by mean
+plus p99 TTFT and writes the best to `bench/tuned_kv_affinity.json`, which the replay below and the scale table
+use as `kv_affinity_tuned`. Peer policies are shown with their defaults on the same load.""",
+    "whatif": """The same sweep with one change to the simulated coordinator: a request's prefill tokens leave the
+workload ledger when its first token appears, instead of when the response ends (the real coordinator does not
+learn of the first token today). The load signal of `least_load` and `kv_affinity` then counts only prefill work
+still queued, which is what TTFT depends on.""",
+    "policies": """Every row is a fresh mesh with the same 4 engines (empty caches) and the same seeded trace: the
+Mooncake conversation trace, token ids synthesised per 512-token hash id (as whole-word tokens, so the prompt is
+sent as text and tokenizes back to exactly those ids: `sglang-router` takes text prompts only), prompts capped
+at 8192 tokens and outputs at 64. The peer routers run in their cache-aware modes straight in front of the
+mesh's engines. The hit rate is the engines' own `vllm:prefix_cache_hits_total / queries_total`. "Match
+fallbacks" counts requests the coordinator scored on load alone because the conductor missed the deadline
+(100 ms here). When the sweep keeps kv_affinity's defaults, `kv_affinity` and `kv_affinity_tuned` are the same
+policy run twice, and the gap between their rows is the run-to-run spread of this real-time replay.""",
+    "validate": """Small enough to run in real time: 2 engines at speedup 2, 150 requests, arrivals x0.625 (the same
+load per engine as the replay above). The real-time rows are `bench.policies` replays; the simulator replays the
+same token ids with the same policies objects, the conductor's index and simengine's scheduler, cache and timing
+model in virtual time. Each real-time row runs in a fresh client process: when the kv_affinity mesh was the second one
+started by the same process, its real-time TTFT came out 16-25% above the simulator's, reproducibly (four runs),
+while as the first or only one it agreed within 4% (three runs); the cause is not found yet.""",
+    "scale": """The conversation trace is tiled: one copy (disjoint hash ids: an independent user population) per
+8 instances at arrivals x2.5, so the load per instance is that of the replay above at every size. TTFT and hit
+rate are simulated; decision time is the wall-clock cost per request of the coordinator's and conductor's own
+Python in-process (Match: chain hashing and index walk; candidates: the per-instance ledger view; pick: the
+policy), which grows with the number of instances; gRPC and Envoy are not included.""",
+    "simengine": """From issue 5: streamed tokens/s one engine process sustains at 256 concurrent streams (CPU
+bound, speedup 10000), and the timing model's TTFT/ITL at speedup 1 against its profile.""",
+    "conductor": """From issue 4, `--quick` size (10% of the full run): ingest rate, Match latency at 8k/64 and
+32k/512 (block size 16), bytes per (block, holder) entry.""",
+}
+
+
+def notes(name: str, body: str) -> str:
+    """The explanatory paragraph of a section."""
+    return " ".join(_NOTES.get(name, "").split())

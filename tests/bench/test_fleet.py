@@ -1,0 +1,81 @@
+"""The fleet simulator's pure logic: determinism, the lazy block pool, prompts and trace tiling."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.fleet.instance import EngineSpec, LazyBlockPool
+from bench.fleet.sim import FleetConfig, simulate
+from bench.fleet.workload import HASH_STRIDE, PromptSource, arrivals
+from bench.trace import find_trace
+from simengine.block_pool import BlockPool
+from simengine.events import EventSink
+from tandem.tokenizer import load_tokenizer
+
+ROWS = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+    {"timestamp": 100, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1, 3]},
+    {"timestamp": 150, "input_length": 700, "output_length": 6, "hash_ids": [4, 5]},
+    {"timestamp": 400, "input_length": 1600, "output_length": 3, "hash_ids": [0, 1, 3, 6]},
+    {"timestamp": 420, "input_length": 600, "output_length": 8, "hash_ids": [4, 7]},
+]
+
+
+@pytest.fixture(scope="module")
+def word_ids() -> list[int]:
+    return load_tokenizer(None).word_ids
+
+
+def _run(policy: str, word_ids, copies: int = 1, instances: int = 2):
+    cfg = FleetConfig(
+        instances=instances, policy=policy, engine=EngineSpec(npu_blocks=512), load_interval_s=0.5
+    )
+    return simulate(cfg, arrivals(ROWS, 1.0, copies, seed=3), word_ids, seed=3)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "kv_affinity", "dynamo", "llm_d", "sglang_cache_aware"])
+def test_same_seed_same_figures(policy, word_ids):
+    a, b = _run(policy, word_ids), _run(policy, word_ids)
+    assert a.ttft_s == b.ttft_s and a.e2e_s == b.e2e_s
+    assert (a.hits, a.queries, a.output_tokens) == (b.hits, b.queries, b.output_tokens)
+    assert len(a.ttft_s) == len(ROWS) and a.output_tokens == sum(r["output_length"] for r in ROWS)
+
+
+def test_shared_prefixes_hit_and_ledger_drains(word_ids):
+    fleet_result = _run("kv_affinity", word_ids, instances=1)
+    # Rows 2 and 4 reuse 2 and 3 leading 512-token blocks of earlier prompts on the only instance.
+    assert fleet_result.hits >= (2 + 3) * 512
+    assert 0 < fleet_result.hit_rate < 1
+
+
+def test_copies_are_disjoint_and_keep_copy_zero(word_ids):
+    one, three = arrivals(ROWS, 2.0, 1), arrivals(ROWS, 2.0, 3, seed=1)
+    assert len(three) == 3 * len(ROWS)
+    assert [a for a in three if a.key < len(ROWS)] == one
+    assert one[1].at_s == pytest.approx(0.05)
+    ids = {a.key // len(ROWS): {h // HASH_STRIDE for h in a.hash_ids} for a in three}
+    assert ids == {0: {0}, 1: {1}, 2: {2}}
+
+
+def test_prompt_text_round_trips_and_blocks_repeat(word_ids):
+    tok = load_tokenizer(None)
+    src = PromptSource(word_ids, seed=0)
+    a, b = arrivals(ROWS, 1.0)[:2]
+    pa, pb = src.tokens(a), src.tokens(b)
+    assert len(pa) == a.input_len and pa[:1024] == pb[:1024] and pa[1024:1100] != pb[1024:1100]
+    assert tok.encode(tok.decode(pa)) == pa
+
+
+def test_lazy_pool_allocates_in_the_order_of_the_eager_pool():
+    eager, lazy = BlockPool(6, 16, EventSink(False)), LazyBlockPool(6, 16, EventSink(False))
+    for pool in (eager, lazy):
+        first = pool.get_new_blocks(4)
+        pool.free_blocks(list(reversed(first[:2])))
+        assert pool.num_free_blocks == 4
+    order = [[b.block_id for b in pool.get_new_blocks(4)] for pool in (eager, lazy)]
+    assert order[0] == order[1] == [4, 5, 1, 0]
+    assert eager.usage() == lazy.usage() == 1.0
+
+
+def test_trace_files_present():
+    assert find_trace("conversation").exists()
