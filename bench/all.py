@@ -58,6 +58,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "policies.md",
     ),
     (
+        "pd",
+        "P/D modes: prefill-first handoff and decode-first trigger",
+        ["bench.pd", "--output", "{out}/pd.md"],
+        "pd.md",
+    ),
+    (
         "validate",
         "Fleet simulator validation against the real-time mesh",
         ["bench.fleet", "validate", "--output-dir", "{out}"],

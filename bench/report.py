@@ -12,7 +12,8 @@ commands below; `--help` on each). Seeds are fixed: the fleet simulator's figure
 the real-time figures vary with the machine's load (noted below), which other work on this machine shares.
 
 Left out: the `aiperf` cross-check of our load generator (`bench/replay.py`) is not part of `make bench`; its
-~1.2 GB install was not worth it on this 2-core machine. P/D (handoff) routing is not benchmarked here."""
+~1.2 GB install was not worth it on this 2-core machine. The P/D section compares the two P/D modes; the peer
+routers' own P/D modes are not run."""
 
 _NOTES = {
     "overhead": """The same engines (`simengine --speedup 10`, 16 output tokens) reached directly (client-side

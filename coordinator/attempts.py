@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ class Attempt:
     leg: asyncio.Task | None = None
     outcome: asyncio.Future | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    opened_at: float = field(default_factory=time.monotonic)  # when the decode request went out
 
     @property
     def engine_request_id(self) -> str:

@@ -25,6 +25,29 @@ MATCH_FALLBACKS = Counter(
     ["reason"],
 )
 PREFILL_LEGS = Counter("tandem_coordinator_prefill_legs", "Prefill legs sent by the coordinator", ["outcome"])
+CALLBACK_PATH_SECONDS = Histogram(
+    "tandem_coordinator_trigger_callback_path_seconds",
+    "Trigger mode: from the decode request leaving the coordinator to its prefill leg going out (the decode "
+    "engine's allocation and metaserver callback through Envoy)",
+    buckets=(
+        0.0005,
+        0.001,
+        0.0015,
+        0.002,
+        0.003,
+        0.004,
+        0.005,
+        0.0075,
+        0.01,
+        0.015,
+        0.02,
+        0.03,
+        0.05,
+        0.1,
+        0.25,
+        1,
+    ),
+)
 CALLBACKS = Counter("tandem_coordinator_metaserver_callbacks", "Metaserver callbacks by outcome", ["outcome"])
 
 

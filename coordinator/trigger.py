@@ -16,10 +16,12 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import time
 from typing import Any
 
 from google.protobuf import json_format
 
+from coordinator import metrics
 from coordinator.attempts import Attempt, AttemptRegistry
 from coordinator.handoff import HandoffRunner
 from coordinator.picker import Decision
@@ -103,5 +105,6 @@ class TriggerCoordinator:
     async def run_leg(self, attempt: Attempt) -> None:
         """The attempt's prefill leg, retried on another prefill instance up to the configured attempts."""
         decision, path = attempt.context
+        metrics.CALLBACK_PATH_SECONDS.observe(time.monotonic() - attempt.opened_at)
         body = trigger_prefill_body(decision.request.body, attempt)
         await self.runner.prefill(decision, path, body, attempt.engine_request_id, want_params=False)
