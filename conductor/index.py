@@ -29,6 +29,19 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _TIERS = (Medium.NPU, Medium.CPU, Medium.DISK)
 
 
+
+def _drop_bit(tier: dict[int, int], own: int, bit: int) -> bool:
+    """Removes a holder's bit from one block's mask in a medium (the entry goes with its last holder)."""
+    m = tier.get(own)
+    if m is None or not m & bit:
+        return False
+    m ^= bit
+    if m:
+        tier[own] = m
+    else:
+        del tier[own]
+    return True
+
 class BlockSpace:
     """Holders of one (model, block size) and their blocks, one `own hash -> holder bitmask` dict per medium."""
 
@@ -169,13 +182,7 @@ class KvIndex:
                 continue
             tier = tiers[medium]
             for own in h.blocks.values():
-                m = tier.get(own)
-                if m is not None and m & bit:
-                    m ^= bit
-                    if m:
-                        tier[own] = m
-                    else:
-                        del tier[own]
+                _drop_bit(tier, own, bit)
             self.medium_entries[medium] -= h.medium_entries[medium]
             h.medium_entries[medium] = 0
         n = len(h.blocks)
@@ -297,13 +304,7 @@ class KvIndex:
             if own is None:
                 self.counters.unresolved_blocks += 1
                 continue
-            m = tier.get(own)
-            if m is not None and m & bit:
-                m ^= bit
-                if m:
-                    tier[own] = m
-                else:
-                    del tier[own]
+            if _drop_bit(tier, own, bit):
                 removed += 1
             if not (tiers[1].get(own, 0) | tiers[2].get(own, 0) | tiers[3].get(own, 0)) & bit:
                 del blocks[eh]
