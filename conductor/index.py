@@ -29,7 +29,6 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _TIERS = (Medium.NPU, Medium.CPU, Medium.DISK)
 
 
-
 def _drop_bit(tier: dict[int, int], own: int, bit: int) -> bool:
     """Removes a holder's bit from one block's mask in a medium (the entry goes with its last holder)."""
     m = tier.get(own)
@@ -41,6 +40,7 @@ def _drop_bit(tier: dict[int, int], own: int, bit: int) -> bool:
     else:
         del tier[own]
     return True
+
 
 class BlockSpace:
     """Holders of one (model, block size) and their blocks, one `own hash -> holder bitmask` dict per medium."""
