@@ -16,11 +16,20 @@ from collections.abc import Sequence
 import grpc
 
 from coordinator import metrics
-from coordinator.scheduling import KvMatch
+from coordinator.scheduling import NO_MATCH, KvMatch
 from tandem.chain_hash import chain_hashes
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def best_rank_match(hit) -> KvMatch:
+    """An instance's hits as the policies see them: its best DP rank's per-medium blocks. `hit` is a
+    `tandem.v1.InstanceMatch` or the conductor core's `InstanceHit` (same field names)."""
+    best = next((r for r in hit.ranks if r.dp_rank == hit.best_dp_rank), None)
+    if best is None:
+        return NO_MATCH
+    return KvMatch(best.npu_blocks, best.cpu_blocks, best.disk_blocks, hit.block_size)
 
 
 class ConductorMatcher:

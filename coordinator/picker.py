@@ -59,6 +59,25 @@ class Decision:
         return RequestFacts(self.request_id, r.model, r.prompt_tokens, r.max_tokens)
 
 
+def candidates(
+    states: Sequence[InstanceState], ledger: WorkloadLedger, matches: dict[str, KvMatch] | None
+) -> list[Candidate]:
+    """The policy's view of some instances: the ledger's figures and the conductor's facts for each."""
+    matches = matches or {}
+    return [
+        Candidate(
+            s,
+            ledger.prefill_tokens(iid),
+            ledger.decode_tokens(iid),
+            ledger.requests(iid),
+            ledger.context_tokens(iid),
+            matches.get(iid, NO_MATCH),
+        )
+        for s in states
+        for iid in (s.info.instance_id,)
+    ]
+
+
 class TokenizerCache:
     """One tokenizer per model, loaded on first use."""
 
@@ -129,18 +148,7 @@ class EndpointPicker:
     def _candidates(
         self, states: Sequence[InstanceState], matches: dict[str, KvMatch] | None
     ) -> list[Candidate]:
-        ledger = self.ledger
-        return [
-            Candidate(
-                s,
-                ledger.prefill_tokens(s.info.instance_id),
-                ledger.decode_tokens(s.info.instance_id),
-                ledger.requests(s.info.instance_id),
-                ledger.context_tokens(s.info.instance_id),
-                (matches or {}).get(s.info.instance_id, NO_MATCH),
-            )
-            for s in states
-        ]
+        return candidates(states, self.ledger, matches)
 
     async def _matches(self, policy: Policy, request_id: str, request: OpenAIRequest, states) -> dict | None:
         if not policy.needs_match or self.matcher is None:

@@ -21,7 +21,9 @@ from bench.fleet.instance import EngineSpec, SimInstance
 from bench.fleet.workload import Arrival, PromptSource
 from conductor.index import KvIndex
 from conductor.match import match as conductor_match
-from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, RequestFacts, create_policy
+from coordinator.kv_match import best_rank_match
+from coordinator.picker import candidates
+from coordinator.scheduling import KvMatch, RequestFacts, create_policy
 from coordinator.workload import WorkloadLedger
 from simengine.request import Request, SamplingParams
 from simengine.sampler import Sampler
@@ -101,13 +103,6 @@ class FleetResult:
         }
 
 
-def _kv_match(hit, block_size: int) -> KvMatch:
-    best = next((r for r in hit.ranks if r.dp_rank == hit.best_dp_rank), None)
-    if best is None:
-        return NO_MATCH
-    return KvMatch(best.npu_blocks, best.cpu_blocks, best.disk_blocks, block_size)
-
-
 class Fleet:
     """Instances, index, ledger and policy of one simulated fleet."""
 
@@ -128,26 +123,12 @@ class Fleet:
         t0 = time.perf_counter()
         matches: dict[str, KvMatch] = {}
         if self.index is not None:
-            bs = self.cfg.engine.block_size
             for hit in conductor_match(self.index, self.cfg.model, token_ids=prompt).instances:
-                matches[hit.instance_id] = _kv_match(hit, bs)
+                matches[hit.instance_id] = best_rank_match(hit)
         t1 = time.perf_counter()
-        ledger = self.ledger
-        candidates = []
-        for inst in self.instances:
-            iid = inst.state.info.instance_id
-            candidates.append(
-                Candidate(
-                    inst.state,
-                    ledger.prefill_tokens(iid),
-                    ledger.decode_tokens(iid),
-                    ledger.requests(iid),
-                    ledger.context_tokens(iid),
-                    matches.get(iid, NO_MATCH),
-                )
-            )
+        pool = candidates([inst.state for inst in self.instances], self.ledger, matches)
         t2 = time.perf_counter()
-        chosen = self.policy.pick(facts, candidates)
+        chosen = self.policy.pick(facts, pool)
         t3 = time.perf_counter()
         r.match_s += t1 - t0
         r.candidates_s += t2 - t1
