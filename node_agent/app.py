@@ -7,10 +7,13 @@ import asyncio
 import contextlib
 import logging
 
+from prometheus_client import REGISTRY
+
 from node_agent.config import NodeAgentConfig
 from node_agent.coordinator_link import CoordinatorLink
 from node_agent.kv_relay import KvEventRelay
 from node_agent.launch import LaunchError, Placement
+from node_agent.metrics import AgentCollector
 from node_agent.service import NodeAgentService
 from node_agent.services import ServiceError, build_services
 from node_agent.supervisor import EngineState, EngineSupervisor
@@ -112,6 +115,7 @@ async def run(mesh: MeshConfig, node_id: str | None, placement: Placement | None
     except (LaunchError, ServiceError) as exc:
         raise ConfigError(f"{mesh.path}: node_agents {config.node_id!r}: {exc}") from None
     notify = SystemdNotify()
+    REGISTRY.register(AgentCollector(agent))
     app = GrpcApp(f"node-agent {config.node_id}", config.listen, config.metrics_listen, grace=2.0)
     app.add_service(
         "tandem.v1.NodeAgent",

@@ -16,7 +16,7 @@ import pytest
 
 from bench.harness import mesh_config
 from tandem.v1 import admin_pb2, node_agent_pb2
-from tests.e2e.mesh import RunningMesh, processes_mentioning
+from tests.e2e.mesh import RunningMesh, metric_sum, processes_mentioning
 
 GRPCURL = shutil.which(
     "grpcurl", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -148,6 +148,16 @@ def test_workload_returns_to_zero_after_disconnects(mesh):
     mesh.wait_for(lambda: mesh.stats().requests_inflight == 0, 10, "in-flight requests back to zero")
     stats = mesh.stats()
     assert stats.workload_tokens == 0 and all(i.workload_tokens == 0 for i in stats.instances)
+
+
+def test_prometheus_metrics_of_coordinator_and_agent(mesh):
+    agent = mesh.config["node_agents"][0]["metrics_listen"]
+    for iid in ("sim-0", "sim-1"):
+        assert metric_sum(agent, "tandem_node_agent_engine_healthy", instance=iid) == 1
+        assert metric_sum(agent, "tandem_node_agent_process_state", instance=iid, state="running") == 1
+    assert metric_sum(agent, "tandem_node_agent_kv_batches_relayed_total") > 0  # the engines' KV events
+    assert mesh.coordinator_metric("tandem_coordinator_routed_requests_total") > 0
+    assert mesh.coordinator_metric("tandem_coordinator_workload_tokens", bucket="prefill") == 0
 
 
 def test_killed_engine_is_restarted_while_the_other_serves(mesh):
