@@ -15,8 +15,8 @@ import zmq.asyncio
 
 from conductor.config import DirectEndpoint
 from conductor.ingest import IncomingBatch, IngestCore
-from node_agent.kv_relay import replay_batches
-from tandem.kv_events import KvEventDecodeError, decode_batch, split_message
+from tandem.kv_events import KvEventDecodeError, decode_batch
+from tandem.kv_sockets import live_batches, replay_batches
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +55,16 @@ class DirectSource:
         self._tasks = []
 
     async def _receive(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.ep.topic.encode())
-        sub.connect(self.ep.endpoint)
-        try:
-            while True:
-                frames = await sub.recv_multipart()
-                try:
-                    _, seq, payload = split_message(frames)
-                except KvEventDecodeError:
+        batches = live_batches(self.ctx, self.ep.endpoint, self.ep.topic.encode())
+        async with contextlib.aclosing(batches):
+            async for item in batches:
+                if item is None:
                     self.decode_errors += 1
                     continue
                 try:
-                    self.queue.put_nowait((seq, payload))
+                    self.queue.put_nowait(item)
                 except asyncio.QueueFull:
                     self.dropped += 1
-        finally:
-            sub.close(0)
 
     def _incoming(self, seq: int, payload: bytes, replayed: bool) -> IncomingBatch | None:
         try:

@@ -24,7 +24,6 @@ import contextlib
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,35 +31,11 @@ import zmq
 import zmq.asyncio
 
 from conductor.convert import batch_to_pb
-from tandem.kv_events import KvEventDecodeError, decode_batch, encode_seq, split_message, split_replay_reply
+from tandem.kv_events import KvEventDecodeError, decode_batch
+from tandem.kv_sockets import live_batches, replay_batches
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-END = -1  # sequence of the replay end marker
-
-
-async def replay_batches(
-    ctx: zmq.asyncio.Context, endpoint: str, from_seq: int, timeout_s: float
-) -> AsyncIterator[tuple[int, bytes]]:
-    """`(seq, payload)` of an engine's replay socket from `from_seq` on, until its end marker.
-
-    Raises TimeoutError when the engine stays silent for `timeout_s`.
-    """
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        await sock.send_multipart([b"", encode_seq(from_seq)])
-        while True:
-            if not await sock.poll(int(timeout_s * 1000)):
-                raise TimeoutError(f"replay socket {endpoint} silent for {timeout_s}s")
-            seq, payload = split_replay_reply(await sock.recv_multipart())
-            if seq == END:
-                return
-            yield seq, payload
-    finally:
-        sock.close(0)
 
 
 @dataclass(eq=False)
@@ -299,18 +274,12 @@ class KvEventRelay:
         return conductor_pb2.IngestRequest(batch=pb)
 
     async def _read_live(self, src: _Source) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(src.endpoint)
-        try:
-            while True:
-                frames = await sub.recv_multipart()
-                try:
-                    _, seq, payload = split_message(frames)
-                except KvEventDecodeError:
+        async with contextlib.aclosing(live_batches(self.ctx, src.endpoint)) as batches:
+            async for item in batches:
+                if item is None:
                     self.decode_errors += 1
                     continue
+                seq, payload = item
                 req = self._to_request(src, seq, payload, replayed=False)
                 if req is None:
                     continue
@@ -321,8 +290,6 @@ class KvEventRelay:
                         src.held.append((seq, req))
                 elif self._send(req):
                     self.batches_sent += 1
-        finally:
-            sub.close(0)
 
     async def _replay(self, src: _Source, from_seq: int, announce: bool) -> None:
         """Replays one rank from `from_seq`; `announce` ends it with `ReplayDone` (the conductor asked)."""
