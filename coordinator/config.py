@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from coordinator.scheduling import Policy, create_policy, policy_types
 from coordinator.scheduling.params import as_dict
-from tandem.netaddr import is_wildcard, split_host_port
+from tandem.netaddr import Address, is_wildcard, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,9 @@ class CoordinatorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    listen: str = "127.0.0.1:9100"
+    listen: Address = "127.0.0.1:9100"
     """gRPC address (ext_proc for Envoy, Registry for agents, Admin and Metaserver through Envoy's :9000)."""
-    metrics_listen: str = "127.0.0.1:9101"
+    metrics_listen: Address = "127.0.0.1:9101"
     """Prometheus `/metrics` address."""
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     """How often agents report; an instance silent for three intervals is marked unhealthy."""
@@ -133,12 +133,6 @@ class CoordinatorConfig(BaseModel):
     """Longest prefill leg; past it the leg counts as failed."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Scheduling policy."""
-
-    @field_validator("listen", "metrics_listen")
-    @classmethod
-    def _address(cls, value: str) -> str:
-        split_host_port(value)
-        return value
 
     @field_validator("metaserver_address")
     @classmethod

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tandem.netaddr import is_wildcard, split_host_port
+from tandem.netaddr import Address, is_wildcard
 
 # KV connectors by what they mean for dispatch (vLLM `KVConnectorFactory` names and vLLM-Ascend's registrations in
 # vllm_ascend/distributed/kv_transfer/__init__.py: MooncakeConnectorV1, MooncakeHybridConnector,
@@ -269,19 +269,12 @@ class KvStoreConfig(BaseModel):
     """The store's command line (an argument list, never a shell string)."""
     env: dict[str, str] = {}
     """Extra environment of the store process."""
-    health_address: str | None = "127.0.0.1:50088"
+    health_address: Address | None = "127.0.0.1:50088"
     """`host:port` that accepts TCP connections once the store is up; the process being alive when unset."""
     engine_env: dict[str, str] = {}
     """Environment added to every engine of the node in combined mode (e.g. `MOONCAKE_CONFIG_PATH`)."""
     health_timeout_s: float = Field(default=60.0, gt=0)
     """How long the store may take to accept connections before engines start anyway and it is restarted."""
-
-    @field_validator("health_address")
-    @classmethod
-    def _address(cls, value: str | None) -> str | None:
-        if value is not None:
-            split_host_port(value)
-        return value
 
 
 SERVICES = ("engine", "kv_store")
@@ -294,9 +287,9 @@ class NodeAgentConfig(BaseModel):
 
     node_id: str = Field(min_length=1)
     """This node's id (appears in every instance it registers)."""
-    listen: str = "127.0.0.1:9300"
+    listen: Address = "127.0.0.1:9300"
     """The agent's gRPC address (NodeAgent service)."""
-    metrics_listen: str = "127.0.0.1:9301"
+    metrics_listen: Address = "127.0.0.1:9301"
     """Prometheus `/metrics` address."""
     coordinator_address: str | None = None
     """Coordinator gRPC address; the mesh file's `coordinator.listen` when unset."""
@@ -316,12 +309,6 @@ class NodeAgentConfig(BaseModel):
     """The KV store service (required when `services` names `kv_store`)."""
     engines: list[EngineConfig] = []
     """The engines of this node."""
-
-    @field_validator("listen", "metrics_listen")
-    @classmethod
-    def _address(cls, value: str) -> str:
-        split_host_port(value)
-        return value
 
     @field_validator("services")
     @classmethod

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
 from node_agent.config import NodeAgentConfig
-from tandem.netaddr import is_wildcard, split_host_port
+from tandem.netaddr import Address, is_wildcard, split_host_port
 
 
 class ConfigError(Exception):
@@ -27,11 +27,11 @@ class EnvoyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    http_listen: str = "127.0.0.1:8000"
+    http_listen: Address = "127.0.0.1:8000"
     """OpenAI-compatible ingress (HTTP/1.1 and h2c)."""
-    grpc_listen: str = "127.0.0.1:9000"
+    grpc_listen: Address = "127.0.0.1:9000"
     """gRPC listener routing every `tandem.v1` service, health and reflection."""
-    admin_listen: str = "127.0.0.1:9901"
+    admin_listen: Address = "127.0.0.1:9901"
     """Envoy's admin interface."""
     base_id: int = 0
     """Envoy `--base-id`; distinct per Envoy on one machine."""
@@ -39,12 +39,6 @@ class EnvoyConfig(BaseModel):
     """How long Envoy waits for one coordinator reply before failing the request (never forwarded unrouted)."""
     log_level: str = "warning"
     """Envoy's `--log-level`."""
-
-    @field_validator("http_listen", "grpc_listen", "admin_listen")
-    @classmethod
-    def _address(cls, value: str) -> str:
-        split_host_port(value)
-        return value
 
 
 class ModelConfig(BaseModel):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -43,3 +46,13 @@ def is_wildcard(host: str) -> bool:
         return ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return False
+
+
+def checked_address(address: str) -> str:
+    """`address` unchanged when it is a valid `host:port`; ValueError otherwise (for config validation)."""
+    split_host_port(address)
+    return address
+
+
+#: A config field holding `host:port` (IPv6 bracketed), validated at load.
+Address = Annotated[str, AfterValidator(checked_address)]
