@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import yaml
 
 from bench.harness import mesh_config
 from bench.peers import PEERS, start_peer, version
+from bench.replay import percentile
 from tandem.config import parse_mesh_config
 from tandem.up import Mesh
 from tandem.version import __version__
@@ -90,11 +90,7 @@ class PathStats:
 
     @staticmethod
     def pct(values: list[float], q: int) -> float:
-        if not values:
-            return float("nan")
-        if len(values) == 1:
-            return values[0]
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+        return percentile(values, q)
 
     @property
     def rps(self) -> float:

@@ -13,6 +13,15 @@ import aiohttp
 from bench.trace import TraceRequest
 
 
+def percentile(values: list[float], q: int) -> float:
+    """The q-th percentile (inclusive method), NaN when empty; shared by every benchmark."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
 @dataclass
 class ReplayResult:
     """What one replay measured."""
@@ -24,12 +33,8 @@ class ReplayResult:
     wall_s: float = 0.0
 
     def pct(self, values: list[float], q: int) -> float:
-        """The q-th percentile (inclusive method), NaN when empty."""
-        if not values:
-            return float("nan")
-        if len(values) == 1:
-            return values[0]
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+        """The q-th percentile of `values`."""
+        return percentile(values, q)
 
     def slo_share(self, ttft_slo_s: float) -> float:
         """Share of all requests (errors count as misses) whose TTFT met the SLO."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from bench.fleet.instance import EngineSpec, SimInstance
 from bench.fleet.workload import Arrival, PromptSource
+from bench.replay import percentile
 from conductor.index import KvIndex
 from conductor.match import match as conductor_match
 from coordinator.kv_match import best_rank_match
@@ -70,12 +71,7 @@ class FleetResult:
 
     def pct(self, q: int, values: list[float] | None = None) -> float:
         """q-th percentile (inclusive), NaN when empty."""
-        v = self.ttft_s if values is None else values
-        if not v:
-            return float("nan")
-        if len(v) == 1:
-            return v[0]
-        return statistics.quantiles(v, n=100, method="inclusive")[q - 1]
+        return percentile(self.ttft_s if values is None else values, q)
 
     @property
     def mean_ttft(self) -> float:
