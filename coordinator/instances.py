@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tandem.engine_load import EngineLoad
+
 
 class Health(enum.Enum):
     """Health as reported by node agents (mirrors `tandem.v1.Health`)."""
@@ -30,16 +32,6 @@ class InstanceInfo:
     block_size: int = 16
     data_parallel_size: int = 1
     kv_connector: str = ""
-
-
-@dataclass(slots=True)
-class EngineLoad:
-    """Load scraped from the engine's `/metrics` by its agent."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    sampled_at: float = 0.0
 
 
 @dataclass(slots=True)

@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent.config import EngineConfig, RestartPolicy
 from node_agent.launch import LaunchSpec
+from tandem.engine_load import EngineLoad, parse_load
 from tandem.netaddr import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
@@ -39,32 +39,6 @@ class EngineState(enum.Enum):
     STOPPED = 4
     FAILED = 5
     DRAINING = 6
-
-
-@dataclass(slots=True)
-class EngineLoad:
-    """Load read from the engine's `/metrics`."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    sampled_at: float = 0.0
-
-
-def parse_load(text: str) -> EngineLoad:
-    """vLLM's load gauges, summed over engines/ranks of one server (older `gpu_cache_usage_perc` accepted)."""
-    load = EngineLoad(sampled_at=time.time())
-    usage: list[float] = []
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:num_requests_running":
-                load.running += int(sample.value)
-            elif sample.name == "vllm:num_requests_waiting":
-                load.waiting += int(sample.value)
-            elif sample.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-                usage.append(sample.value)
-    load.kv_cache_usage = max(usage) if usage else 0.0
-    return load
 
 
 def backoff_delay(policy: RestartPolicy, consecutive_failures: int) -> float:
