@@ -132,12 +132,20 @@ class BlockPool:
         )
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
-        """Drops one reference per block; blocks reaching 0 go to the tail of the free queue, in the order given
-        (callers pass a request's blocks tail first, so its prefix is evicted last)."""
+        """Drops one reference per block. As vLLM 0.32, blocks reaching 0 without cached content go to the head
+        of the free queue in the order given (reused first, LIFO), cached ones to its tail (evicted last, LRU);
+        callers pass a request's blocks tail first, so its prefix is evicted last."""
+        first: list[KVBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                if block.block_hash is None or not self.enable_caching:
+                    first.append(block)
+                else:
+                    self._free[block.block_id] = block
+        for block in reversed(first):
+            self._free[block.block_id] = block
+            self._free.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (blocks in use keep their data but are no longer shared)."""

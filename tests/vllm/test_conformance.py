@@ -5,6 +5,7 @@ sequence numbers and replay included. Differences must be in `ALLOWED` (mirrored
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.vllm.conformance import (
     BLOCK_SIZE,
@@ -151,6 +152,13 @@ CASES = [
 #: docs/simengine.md ("Known differences from vLLM 0.32"); keep both in step.
 ALLOWED: dict[str, tuple[str, ...]] = {}
 
+#: Series only vLLM exports, by name prefix, and why simengine leaves them out (docs/simengine.md lists them).
+VLLM_ONLY_SERIES = {
+    "http_": "FastAPI instrumentator of vLLM's HTTP server (request counts, sizes and durations per handler)",
+}
+#: Series only simengine exports: its own namespace (transfer counters of the simulated P/D connectors).
+SIM_ONLY_PREFIX = "simengine:"
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
@@ -195,3 +203,65 @@ def test_same_answer_structure(pair, case):
         return  # compared by test_metric_names_and_labels
     diffs = unexplained(case.name, compare(case, a, b), ALLOWED)
     assert not diffs, "\n".join(f"{p}: vLLM {x} | simengine {y}" for p, x, y in diffs)
+
+
+def series(text: str) -> set[tuple[str, tuple[str, ...]]]:
+    """(sample name, label names) of every sample of a /metrics page."""
+    return {
+        (sample.name, tuple(sorted(sample.labels)))
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metric_names_and_labels(pair):
+    real, sim = pair
+    import httpx
+
+    want, got = (series(httpx.get(e.url + "/metrics", timeout=10).text) for e in pair)
+    missing = {s for s in want - got if not s[0].startswith(tuple(VLLM_ONLY_SERIES))}
+    extra = {s for s in got - want if not s[0].startswith(SIM_ONLY_PREFIX)}
+    assert not missing, f"vLLM series simengine lacks: {sorted(missing)}"
+    assert not extra, f"simengine series vLLM lacks: {sorted(extra)}"
+
+
+HASH_PROBE = """
+import json, os, sys
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils as k
+blocks, salt = json.loads(sys.argv[1]), sys.argv[2]
+out = {}
+for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+    fn = get_hash_fn_by_name(algo)
+    k.init_none_hash(fn)
+    parent, chain = None, []
+    for i, block in enumerate(blocks):
+        parent = k.hash_block_tokens(fn, parent, block, (("cache_salt", salt),) if i == 0 else None)
+        chain.append(k.maybe_convert_block_hash(parent))
+    out[algo] = chain
+print(json.dumps(out))
+"""
+
+
+def test_every_hash_algorithm_is_vllms():
+    """The four `--prefix-caching-hash-algo` chains (with a salted first block) computed by vLLM 0.32's own
+    functions and by simengine; the sha256 events above check the engine end to end."""
+    import json
+    import os
+    import subprocess
+
+    from simengine.block_hash import BlockHasher, to_event_hash
+    from tests.vllm.conformance import VLLM_PYTHON
+
+    blocks = [ids(BLOCK_SIZE, 7 * i) for i in range(5)]
+    env = {**os.environ, "PYTHONHASHSEED": "1234"}
+    run = subprocess.run([VLLM_PYTHON, "-c", HASH_PROBE, json.dumps(blocks), "tenant"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    want = json.loads(run.stdout.strip().splitlines()[-1])
+    for algo, chain in want.items():
+        hasher = BlockHasher(algo, seed="1234")
+        parent, got = None, []
+        for i, block in enumerate(blocks):
+            parent = hasher.hash_block(parent, block, (("cache_salt", "tenant"),) if i == 0 else None)
+            got.append(to_event_hash(parent))
+        assert got == chain, algo
