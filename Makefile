@@ -7,14 +7,14 @@ STUBS_STAMP := tandem/v1/.generated
 DESCRIPTOR := build/tandem_descriptor.pb
 CONFIG ?= configs/default.yaml
 
-.PHONY: setup protos run test test-e2e test-vllm lint bench clean
+.PHONY: setup protos run test test-e2e test-vllm lint bench clean mooncake-deps
 
 setup: $(VENV)/.installed $(STUBS_STAMP)
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,mooncake]'
 	touch $@
 
 protos: $(VENV)/.installed
@@ -41,6 +41,10 @@ test-vllm: setup
 	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py $(TINY_MODEL)
 	TANDEM_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TANDEM_TINY_MODEL=$(abspath $(TINY_MODEL)) \
 		$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=build/test-vllm tests/vllm
+
+# System library the Mooncake transfer engine loads (Debian libibverbs1); CI runs this as root before `make test`.
+mooncake-deps:
+	bash scripts/install_mooncake.sh
 
 lint: setup
 	$(BIN)/ruff check .
