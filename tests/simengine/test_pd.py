@@ -335,7 +335,9 @@ async def test_mooncake_handoff_moves_bytes_through_the_transfer_engine(trio):
         assert p.metric("vllm:kv_cache_usage_perc") > 0  # held for the decode engine
         status, dec = await post(s, d.url + "/v1/completions", {**BODY, "kv_transfer_params": params}, "mc1")
         assert status == 200 and first_text(dec) == first_text(expected)
-    assert d.metric("simengine:kv_transfer_bytes_total") == blocks * 4096  # --kv-bytes-per-block, K and V halves
+    assert (
+        d.metric("simengine:kv_transfer_bytes_total") == blocks * 4096
+    )  # --kv-bytes-per-block, K and V halves
     assert d.metric("simengine:kv_transfer_failures_total") == 0
     assert d.metric("simengine:kv_transfer_fallbacks_total") == 0
     assert p.metric("vllm:kv_cache_usage_perc") == 0  # freed by the done signal, not the 120 s expiry
