@@ -62,6 +62,7 @@ __all__ = [
     "mesh_config",
     "metric_sum",
     "pd_picker",
+    "pid_alive",
     "processes_mentioning",
     "wait_until",
 ]
@@ -328,6 +329,14 @@ def metric_sum(address: str, name: str, **labels: str) -> float:
         for s in family.samples
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process `pid` exists and is not a zombie."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
 
 
 def processes_mentioning(text: str) -> list[int]:

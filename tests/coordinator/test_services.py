@@ -6,7 +6,6 @@ import grpc
 import pytest
 import yaml
 
-from bench.harness import mesh_config
 from coordinator.app import build
 from tandem.config import parse_mesh_config
 from tandem.v1 import (
@@ -18,6 +17,7 @@ from tandem.v1 import (
     registry_pb2,
     registry_pb2_grpc,
 )
+from tests.helpers import mesh_config
 
 
 @pytest.fixture
