@@ -1,6 +1,7 @@
 """Everything tests share, in one module: loopback ports, waiting for a condition with a deadline, a conductor
-served on loopback, builders of the conductor's Ingest messages, coordinator pickers over fake instances, and a
-whole mesh started with `tandem up` (with readers of its metrics and of /proc).
+served on loopback, builders of the conductor's Ingest messages, a gRPC servicer called without a server
+(grpcio-testing), coordinator pickers over fake instances, and a whole mesh started with `tandem up` (with readers
+of its metrics and of /proc).
 
 Waiting is always for a condition, never for a fixed time: `wait_until` (plain code) and `eventually` (asyncio)
 poll a predicate until it holds and fail naming what they waited for. To assert that something did NOT happen,
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc_testing
 import yaml
+from google.protobuf.descriptor import ServiceDescriptor
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import free_ports, mesh_config
@@ -53,6 +56,7 @@ __all__ = [
     "ROOT",
     "ConductorServer",
     "RunningMesh",
+    "ServicerCalls",
     "block_stored",
     "eventually",
     "free_port",
@@ -200,6 +204,40 @@ def ingest_batch(
     )
     b.engine_time.GetCurrentTime()
     return conductor_pb2.IngestRequest(batch=b)
+
+
+# -- a servicer without a server ----------------------------------------------------------------------------------
+
+
+class ServicerCalls:
+    """Unary calls to one of Tandem's `grpc.aio` servicers through a grpcio-testing server: no port, no server, and
+    each call's status code and details as the servicer set them (`context.abort`).
+
+    grpcio-testing drives synchronous servicers only (grpc/grpc#24942), so each call runs the servicer's coroutine
+    to completion on an event loop of its own: for unary-unary methods of servicers that keep no loop-bound state.
+    Streams need a live server (`ConductorServer`, or `grpc.aio.server()` on port 0)."""
+
+    def __init__(self, service: ServiceDescriptor, servicer: Any) -> None:
+        self.service = service
+        unary = {
+            m.name: self._blocking(getattr(servicer, m.name))
+            for m in service.methods
+            if not (m.client_streaming or m.server_streaming)
+        }
+        handlers = type("BlockingServicer", (), {k: staticmethod(v) for k, v in unary.items()})()
+        self.server = grpc_testing.server_from_dictionary(
+            {service: handlers}, grpc_testing.strict_real_time()
+        )
+
+    @staticmethod
+    def _blocking(method):
+        return lambda request, context: asyncio.run(method(request, context))
+
+    def __call__(self, method: str, request) -> tuple[Any, grpc.StatusCode, str]:
+        """`(response, code, details)` of one call; the response is None when the servicer aborted."""
+        rpc = self.server.invoke_unary_unary(self.service.methods_by_name[method], (), request, None)
+        response, _, code, details = rpc.termination()
+        return response, code, details
 
 
 # -- the coordinator's picker --------------------------------------------------------------------------------------
