@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -145,3 +146,49 @@ class CoordinatorConfig(BaseModel):
     def prefill_budget_s(self) -> float:
         """The longest the coordinator may hold a request while prefill legs run (Envoy's message timer)."""
         return self.prefill_timeout_s * self.prefill_attempts + 5.0
+
+
+class _Model(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def tokenizer(self) -> str | None: ...
+
+
+class _Listener(Protocol):
+    @property
+    def listen(self) -> str: ...
+
+
+class MeshView(Protocol):
+    """What the coordinator reads of the mesh file. `mesh.config.MeshConfig` provides it: the layer above composes
+    the file and hands it down, so the coordinator imports neither that layer nor the other components."""
+
+    @property
+    def path(self) -> str:
+        """The file the config came from ("" when built in code): watched for scheduler reloads."""
+        ...
+
+    @property
+    def coordinator(self) -> CoordinatorConfig:
+        """This process's section; its `scheduler` is replaced on reload."""
+        ...
+
+    @property
+    def conductor(self) -> _Listener:
+        """Where the conductor's Match service listens."""
+        ...
+
+    @property
+    def models(self) -> Sequence[_Model]:
+        """The models the mesh serves, with their tokenizers."""
+        ...
+
+    @property
+    def metaserver_url(self) -> str:
+        """The callback URL decode engines get in trigger mode."""
+        ...
+
+    def model_dump(self, *, mode: Any = ..., exclude: Any = ...) -> dict[str, Any]:
+        """The whole effective config (Admin/GetConfig, reload comparisons)."""
+        ...
