@@ -3,7 +3,8 @@
 A change is a change of the file's content (its hash), not of its modification time: an editor or `cp` that
 truncates and rewrites the file within one mtime tick is still seen. A file caught empty, unreadable or half
 written (not YAML, or an empty document) is skipped with a warning and the running scheduler kept; it is read
-again as soon as its content changes.
+again as soon as its content changes. The layer that composes the mesh file passes `load` (path -> config), so
+this module imports neither that layer nor the other components.
 """
 
 from __future__ import annotations
@@ -11,18 +12,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
+from coordinator.config import MeshView
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker
-from tandem.config import ConfigError, MeshConfig, parse_mesh_config
+from tandem.config_file import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def apply_scheduler_change(running: MeshConfig, fresh: MeshConfig, picker: EndpointPicker, matcher) -> bool:
+def apply_scheduler_change(running: MeshView, fresh: MeshView, picker: EndpointPicker, matcher) -> bool:
     """Switches to `fresh`'s scheduler when it differs; True when it did."""
     old, new = running.coordinator.scheduler, fresh.coordinator.scheduler
     if old.model_dump() == new.model_dump():
@@ -40,11 +43,26 @@ def apply_scheduler_change(running: MeshConfig, fresh: MeshConfig, picker: Endpo
     return True
 
 
+def _read(path: str) -> tuple[bytes, str]:
+    """The file's bytes and what is wrong when they are empty ("empty", or why it could not be read)."""
+    try:
+        return Path(path).read_bytes(), "empty"
+    except OSError as exc:
+        return b"", f"cannot read: {exc.strerror}"
+
+
 class ConfigWatch:
     """Applies the mesh file's scheduler section each time the file's content changes (`poll`)."""
 
-    def __init__(self, running: MeshConfig, picker: EndpointPicker, matcher: ConductorMatcher | None) -> None:
+    def __init__(
+        self,
+        running: MeshView,
+        load: Callable[[str], MeshView],
+        picker: EndpointPicker,
+        matcher: ConductorMatcher | None,
+    ) -> None:
         self.running = running
+        self.load = load
         self.picker = picker
         self.matcher = matcher
         self._digest: bytes | None = None  # of the content last read; None before the first poll
@@ -53,10 +71,7 @@ class ConfigWatch:
         """Reads the file; True when its scheduler section was applied. The first poll reads the file too (a
         change since start-up is applied; an unchanged file changes nothing)."""
         path = self.running.path
-        try:
-            text, problem = Path(path).read_bytes(), "empty"
-        except OSError as exc:
-            text, problem = b"", f"cannot read: {exc.strerror}"
+        text, problem = _read(path)
         digest = hashlib.sha256(text).digest()
         if digest == self._digest:
             return False
@@ -72,18 +87,24 @@ class ConfigWatch:
             )
             return False
         try:
-            fresh = parse_mesh_config(data, path)
+            fresh = self.load(path)
         except ConfigError as exc:
             log.error("config reload failed, keeping the running scheduler", extra={"error": str(exc)})
             return False
+        if hashlib.sha256(_read(path)[0]).digest() != digest:
+            return False  # rewritten while `load` read it: what it read is unchecked; the next poll reads it again
         return apply_scheduler_change(self.running, fresh, self.picker, self.matcher)
 
 
 async def watch_config(
-    running: MeshConfig, picker: EndpointPicker, matcher: ConductorMatcher | None, interval_s: float = 1.0
+    running: MeshView,
+    load: Callable[[str], MeshView],
+    picker: EndpointPicker,
+    matcher: ConductorMatcher | None,
+    interval_s: float = 1.0,
 ) -> None:
     """Polls the file every `interval_s`; see `ConfigWatch.poll`."""
-    watch = ConfigWatch(running, picker, matcher)
+    watch = ConfigWatch(running, load, picker, matcher)
     while True:
         await asyncio.sleep(interval_s)
         watch.poll()

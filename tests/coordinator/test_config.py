@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from coordinator.config_watch import ConfigWatch, watch_config
-from tandem.config import ConfigError, load_mesh_config, parse_mesh_config
+from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
 from tests.helpers import eventually, make_picker
 
 
@@ -83,7 +83,7 @@ def watched(tmp_path):
     policy_file(path, "least_load")
     running = load_mesh_config(path)
     picker = make_picker()
-    return path, running, picker, ConfigWatch(running, picker, None)
+    return path, running, picker, ConfigWatch(running, load_mesh_config, picker, None)
 
 
 def test_scheduler_reloads_when_the_content_changes_and_a_bad_file_keeps_it(watched, caplog):
@@ -149,7 +149,7 @@ def test_missing_file_keeps_the_scheduler(watched, caplog):
 
 async def test_watch_task_polls_the_file(watched):
     path, running, picker, _ = watched
-    task = asyncio.create_task(watch_config(running, picker, None, interval_s=0.01))
+    task = asyncio.create_task(watch_config(running, load_mesh_config, picker, None, interval_s=0.01))
     try:
         policy_file(path, "kv_affinity")
         await eventually(lambda: picker.policy.name == "kv_affinity", 5, "the reload")

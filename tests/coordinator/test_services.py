@@ -11,7 +11,7 @@ from coordinator.app import build
 from coordinator.config import CoordinatorConfig
 from coordinator.instances import InstanceTable
 from coordinator.services import RegistryService
-from tandem.config import parse_mesh_config
+from mesh.config import parse_mesh_config
 from tandem.v1 import (
     admin_pb2,
     admin_pb2_grpc,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from mesh.config import load_mesh_config
 from node_agent.launch import Placement, build_launch
-from tandem.config import load_mesh_config
 from tests.helpers import ROOT
 
 EXAMPLES = ROOT / "examples"
