@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -91,7 +92,7 @@ def _event_map(ev: KVEvent) -> dict:
     """vLLM's msgspec encoding: tag first, fields in declaration order, defaulted (None) trailing fields
     omitted; `parent_block_hash`, `lora_id`, `medium` and `lora_name` have no default, so they are always there."""
     if isinstance(ev, BlockStored):
-        out = {
+        out: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": ev.block_hashes,
             "parent_block_hash": ev.parent_block_hash,
@@ -109,10 +110,14 @@ def _event_map(ev: KVEvent) -> dict:
             out["kv_cache_spec_kind"] = ev.kv_cache_spec_kind
         return out
     if isinstance(ev, BlockRemoved):
-        out = {"type": "BlockRemoved", "block_hashes": ev.block_hashes, "medium": ev.medium}
+        removed: dict[str, Any] = {
+            "type": "BlockRemoved",
+            "block_hashes": ev.block_hashes,
+            "medium": ev.medium,
+        }
         if ev.group_idx is not None:
-            out["group_idx"] = ev.group_idx
-        return out
+            removed["group_idx"] = ev.group_idx
+        return removed
     return {"type": "AllBlocksCleared"}
 
 

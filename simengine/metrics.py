@@ -31,7 +31,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
     """vLLM's `build_1_2_5_buckets(max_model_len)`: 1, 2, 5, 10, 20, 50, ... up to the limit."""
-    out, exp = [], 0
+    out: list[int] = []
+    exp = 0
     while True:
         for m in (1, 2, 5):
             value = m * 10**exp

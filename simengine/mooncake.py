@@ -90,7 +90,7 @@ class MooncakeTransport:
         if self.engine.register_memory(base, 2 * region) != 0:
             raise RuntimeError("Mooncake memory registration failed")
         self.base_addrs = [base, base + region]
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -98,7 +98,7 @@ class MooncakeTransport:
 
     # -- prefill side -----------------------------------------------------------------------------------------
 
-    def listen(self, port: int, on_done: Callable[[str], None]) -> int:
+    def listen(self, port: int, on_done: Callable[[str], object]) -> int:
         """Binds the handshake ROUTER on `host:port` (0: any free port) and serves it in a thread; `on_done` is
         called (from that thread) with each request id a decode side finished reading."""
         sock = self._ctx.socket(zmq.ROUTER)
@@ -117,8 +117,9 @@ class MooncakeTransport:
         self._thread.start()
         return port
 
-    def _serve(self, meta: bytes, on_done: Callable[[str], None]) -> None:
+    def _serve(self, meta: bytes, on_done: Callable[[str], object]) -> None:
         sock = self._router
+        assert sock is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         decode = msgspec.msgpack.Decoder(type=tuple).decode

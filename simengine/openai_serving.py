@@ -376,7 +376,7 @@ class OpenAIServing:
             if not continuous:
                 return b""
             p, c = len(seq.req.prompt_token_ids), seq.emitted
-            usage = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+            usage: dict[str, int | None] = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
             if chat_details:
                 usage["completion_tokens_details"] = None
             return b',"usage":' + encode(usage)

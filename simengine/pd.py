@@ -328,17 +328,19 @@ class KVConnector:
     async def _pull_mooncake(self, req: Request, params: dict) -> None:
         """Reads the prompt's blocks from the prefill engine through the Mooncake transfer engine. As
         vLLM-Ascend, a failed read is logged and the request goes on as if the KV had arrived (no recompute)."""
+        transport = self.mooncake
+        assert transport is not None
         remote = _flat_block_ids(params.get("remote_block_ids")) or []
         local = req.block_ids[: len(remote)]
         result = await asyncio.to_thread(
-            self.mooncake.pull, params["remote_host"], int(params["remote_port"]),
+            transport.pull, params["remote_host"], int(params["remote_port"]),
             str(params.get("remote_request_id", "")), remote, local,
         )  # fmt: skip
         tokens = len(local) * self.cfg.block_size
         if result.ok:
             self.metrics.kv_transfer_bytes.inc(result.nbytes)
             bad = sum(
-                self.mooncake.read_block(lb)[:1] != bytes([block_pattern(rb)])
+                transport.read_block(lb)[:1] != bytes([block_pattern(rb)])
                 for rb, lb in zip(remote, local, strict=False)
             )
             if bad:

@@ -131,7 +131,7 @@ def lax_float(body: dict, name: str) -> float | None:
     raise pydantic_error("float_type", name, "Input should be a valid number", value)
 
 
-def lax_bool(body: dict, name: str, default: bool | None = False) -> bool | None:
+def lax_bool(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
         return default
