@@ -3,11 +3,15 @@ hits and errors? (issue 16: simengine must be indistinguishable from vLLM 0.32 t
 
     TANDEM_VLLM_PYTHON=.venv-vllm/bin/python TANDEM_TINY_MODEL=build/tiny-llama python -m bench.router_parity
 
-Two engines of each kind (tiny model, block size 32, same limits and KV events as the conformance suite), then for
-each router setup (sglang-router cache_aware, vllm-router cache_aware, vllm-router kv_aware fed by the engines' KV
-events) a replay of prompt groups sharing long prefixes, sequential so the routing is deterministic. Reported per
-backend: answers by status, requests per engine, prefix-cache hit tokens per engine (from each engine's /metrics).
-Needs the `bench` extra (the routers) and the real-vLLM venv of `make test-vllm`.
+Two engines of each kind (tiny model, block size 32, same limits as the conformance suite), then for each router
+setup (sglang-router cache_aware; vllm-router cache_aware in front of engines as started by default, whose render
+endpoints answer 403, and in front of engines started with --enable-scale-out, whose render endpoints give the
+router token ids) a replay of prompt groups sharing long prefixes, sequential so the routing is deterministic.
+Reported per backend: answers by status, requests per engine, prefix-cache hit tokens per engine (from each
+engine's /metrics). Needs the `bench` extra (the routers) and the real-vLLM venv of `make test-vllm`.
+
+vllm-router's kv_aware policy is not compared: it subscribes to tcp:// KV event endpoints only, which vLLM (and
+simengine) bind only for wildcard addresses (`tcp://*:P`), i.e. on every interface; these checks stay on loopback.
 """
 
 from __future__ import annotations
@@ -47,14 +51,16 @@ def prompts(groups: int, per_group: int) -> list[str]:
     return out
 
 
-def start_engine(kind: str, workdir: Path, name: str) -> tuple[subprocess.Popen, str, str, str]:
+def start_engine(
+    kind: str, workdir: Path, name: str, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str, str, str]:
     port = free_port()
     pub, replay = f"ipc://{workdir}/{name}.pub", f"ipc://{workdir}/{name}.replay"
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
                          "replay_endpoint": replay, "topic": ""})  # fmt: skip
     common = ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--block-size",
               str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-              "--kv-events-config", events]  # fmt: skip
+              "--kv-events-config", events, *extra]  # fmt: skip
     if kind == "vllm":
         argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--enforce-eager",
                 "--dtype", "float32", "--num-gpu-blocks-override", str(4 * USABLE_BLOCKS + 1)]  # fmt: skip
@@ -83,6 +89,9 @@ def metric(url: str, name: str) -> float:
     return total
 
 
+SCALE_OUT = "vllm-router cache_aware, engines with --enable-scale-out"
+
+
 def router_argv(setup: str, port: int, workers: list[tuple[str, str, str]]) -> list[str]:
     urls = [w[0] for w in workers]
     prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
@@ -90,13 +99,18 @@ def router_argv(setup: str, port: int, workers: list[tuple[str, str, str]]) -> l
         return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                 *prom, "--policy", "cache_aware", "--worker-urls", *urls]  # fmt: skip
     bin_ = str(Path(sys.executable).parent / "vllm-router")
-    argv = [bin_, "--host", "127.0.0.1", "--port", str(port), *prom, "--worker-urls", *urls]
-    if setup == "vllm-router cache_aware":
-        return [*argv, "--policy", "cache_aware"]
-    argv += ["--policy", "kv_aware", "--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL_NAME]
-    for url, pub, replay in workers:
-        argv += ["--kv-event-source", f"{url}={pub}", "--kv-event-replay-source", f"{url}={replay}"]
-    return argv
+    return [
+        bin_,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *prom,
+        "--worker-urls",
+        *urls,
+        "--policy",
+        "cache_aware",
+    ]
 
 
 def replay(
@@ -139,31 +153,40 @@ def replay(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--workdir", default=None, help="where engine and router logs go (default: a new temp dir)"
+    )
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--per-group", type=int, default=5)
-    p.add_argument("--setups", nargs="+", default=["sglang-router cache_aware", "vllm-router cache_aware",
-                                                   "vllm-router kv_aware"])  # fmt: skip
+    p.add_argument(
+        "--setups", nargs="+", default=["sglang-router cache_aware", "vllm-router cache_aware", SCALE_OUT]
+    )
     args = p.parse_args(argv)
     if not (VLLM_PYTHON and MODEL):
         p.error("set TANDEM_VLLM_PYTHON and TANDEM_TINY_MODEL (make test-vllm builds both)")
     texts = prompts(args.groups, args.per_group)
     results: dict[str, dict[str, dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="router-parity-") as tmp:
-        workdir = Path(tmp)
-        for n, setup in enumerate(args.setups):
-            for kind in ("vllm", "sim"):  # fresh engines per setup: every replay starts from empty caches
-                started = [start_engine(kind, workdir, f"{kind}{i}-{n}") for i in (0, 1)]
-                try:
-                    for _, url, _, _ in started:
-                        wait_until(lambda url=url: healthy(url), 300, f"{kind} engine {url}", 0.5)
-                    workers = [(url, pub, rep) for _, url, pub, rep in started]
-                    results.setdefault(setup, {})[kind] = replay(setup, workers, texts, workdir, f"{kind}{n}")
-                    print(setup, kind, json.dumps(results[setup][kind]), flush=True)
-                finally:
-                    for proc, *_ in started:
-                        proc.terminate()
-                    for proc, *_ in started:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="router-parity-"))  # kept: engine and router logs
+    workdir.mkdir(parents=True, exist_ok=True)
+    for n, setup in enumerate(args.setups):
+        for kind in ("vllm", "sim"):  # fresh engines per setup: every replay starts from empty caches
+            extra = ("--enable-scale-out",) if setup == SCALE_OUT else ()
+            started = [start_engine(kind, workdir, f"{kind}{i}-{n}", extra) for i in (0, 1)]
+            try:
+                for _, url, _, _ in started:
+                    wait_until(lambda url=url: healthy(url), 900, f"{kind} engine {url}", 0.5)
+                workers = [(url, pub, rep) for _, url, pub, rep in started]
+                results.setdefault(setup, {})[kind] = replay(setup, workers, texts, workdir, f"{kind}{n}")
+                print(setup, kind, json.dumps(results[setup][kind]), flush=True)
+            finally:
+                for proc, *_ in started:
+                    proc.terminate()
+                for proc, *_ in started:
+                    try:
                         proc.wait(60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
     same = all(r["vllm"] == r["sim"] for r in results.values())
     print(json.dumps(results, indent=1))
     print("same behaviour in front of vLLM and simengine:", same)
