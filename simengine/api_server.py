@@ -201,18 +201,31 @@ class EngineServer:
 
     def _generate_request(self, body: dict, ids: list[int], request_id: str) -> dict:
         """vLLM 0.32's scale-out `GenerateRequest` for one prompt (the token-in-token-out request a router sends
-        to `/inference/v1/generate`); `sampling_params` carries the fields the simulator uses."""
+        to `/inference/v1/generate`). As vLLM dumps it: `sampling_params` omits fields at their defaults, except
+        the lists and `skip_reading_prefix_cache`; `max_tokens` is what the engine would allow."""
         stream = bool(body.get("stream"))
-        sampling = {"n": body.get("n") or 1, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                    "top_k": body.get("top_k"), "seed": body.get("seed"), "stop": body.get("stop"),
-                    "max_tokens": body.get("max_tokens") or body.get("max_completion_tokens"),
-                    "min_tokens": body.get("min_tokens") or 0, "ignore_eos": bool(body.get("ignore_eos")),
-                    "logprobs": body.get("logprobs") if isinstance(body.get("logprobs"), int) else None}  # fmt: skip
+        stop = body.get("stop")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        fits = self.cfg.max_model_len - len(ids)
+        sampling: dict = {
+            "stop": [stop] if isinstance(stop, str) else list(stop or []),
+            "stop_token_ids": [],
+            "max_tokens": min(asked, fits) if isinstance(asked, int) else fits,
+            "bad_words": [],
+            "skip_reading_prefix_cache": False,
+        }
+        for name, default in (("n", 1), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("seed", None),
+                              ("min_tokens", 0), ("ignore_eos", False)):  # fmt: skip
+            value = body.get(name)
+            if value is not None and value != default:
+                sampling[name] = value
         return {"request_id": request_id, "token_ids": ids, "token_offsets": None, "features": None,
                 "content_parts": None, "sampling_params": sampling, "model": body.get("model"),
                 "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
-                "stream": stream, "stream_options": body.get("stream_options") if stream else None,
-                "cache_salt": body.get("cache_salt"), "priority": body.get("priority") or 0}  # fmt: skip
+                "output_mode": "tokens", "stream": stream,
+                "stream_options": body.get("stream_options") if stream else None,
+                "cache_salt": body.get("cache_salt"), "priority": body.get("priority") or 0,
+                "kv_transfer_params": None, "ec_transfer_params": None}  # fmt: skip
 
     async def render_completions(self, request: web.Request) -> web.Response:
         if not self.cfg.enable_scale_out:

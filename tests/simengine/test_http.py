@@ -153,6 +153,14 @@ def test_render_with_scale_out(engines):
         "/v1/chat/completions/render", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     )
     assert rendered["token_ids"] == chat_tok["tokens"] and rendered["sampling_params"]["max_tokens"] == 3
+    # the keys vLLM 0.32 dumps for GenerateRequest(request_id, token_ids, sampling_params=SamplingParams(max_tokens=3),
+    # model) (vllm.entrypoints.scale_out.token_in_token_out.protocol, model_dump(mode="json"))
+    assert list(rendered) == ["request_id", "token_ids", "token_offsets", "features", "content_parts",
+                              "sampling_params", "model", "reasoning_ended", "reasoning_parser_kwargs",
+                              "return_token_ids", "output_mode", "stream", "stream_options", "cache_salt", "priority",
+                              "kv_transfer_params", "ec_transfer_params"]  # fmt: skip
+    assert rendered["sampling_params"] == {"stop": [], "stop_token_ids": [], "max_tokens": 3, "bad_words": [],
+                                           "skip_reading_prefix_cache": False}  # fmt: skip
     _, rc = engine.post("/v1/completions/render", {"prompt": ["hello world", "bye"]}, {"X-Request-Id": "r"})
     assert [r["request_id"] for r in rc] == ["r-0", "r-1"] and rc[0]["token_ids"] == tok["tokens"]
     assert engine.post("/v1/completions/render", {"model": "x", "prompt": "a"})[0] == 404
