@@ -13,7 +13,7 @@ PYTEST := $(BIN)/python -m pytest -q
 PRODUCT := tandem mesh coordinator conductor node_agent simengine
 
 .PHONY: help setup protos run run-coordinator run-conductor run-agent run-envoy-config test test-unit test-e2e \
-	test-vllm lint bench clean
+	test-vllm lint bench clean mooncake-deps
 
 help: ## this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -23,7 +23,7 @@ setup: $(VENV)/.installed $(STUBS_STAMP) $(DESCRIPTOR) ## the .venv with pinned 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,mooncake]'
 	touch $@
 
 protos: $(VENV)/.installed ## regenerate tandem/v1 stubs and Envoy's descriptor set from protos/
@@ -69,6 +69,9 @@ test-vllm: setup ## real CPU vLLM engines launched by the node agent (~7 min fro
 	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py $(TINY_MODEL)
 	TANDEM_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TANDEM_TINY_MODEL=$(abspath $(TINY_MODEL)) \
 		$(PYTEST) -p no:cacheprovider --basetemp=build/test-vllm tests/vllm
+
+mooncake-deps: ## Debian libibverbs1, which the Mooncake transfer engine (the `mooncake` extra) loads; needs root
+	bash scripts/install_mooncake.sh
 
 # --- quality --------------------------------------------------------------------------------------------------
 lint: setup ## ruff (lint and format), the import-layer contracts, mypy over the product packages

@@ -6,23 +6,28 @@ import asyncio
 import logging
 import signal
 import time
+import uuid
+from dataclasses import asdict
 
 import msgspec
 from aiohttp import web
-from prometheus_client import disable_created_metrics
 
 from simengine.config import EngineConfig
 from simengine.engine import Engine
 from simengine.kv_publisher import ZmqEventPublisher
 from simengine.metrics import EngineMetrics
-from simengine.openai_serving import OpenAIServing
+from simengine.openai_serving import VLLM_VERSION, OpenAIServing
 from simengine.pd import KVConnector
 from simengine.protocol import APIError, json_response
 from simengine.sampler import Sampler
 from tandem.tokenizer import load_tokenizer, prompt_token_ids
 
 log = logging.getLogger("simengine")
-VERSION = "0.11.0+simengine"
+#: The vLLM version simengine answers as (its wire behaviour is checked against it by tests/vllm).
+VERSION = VLLM_VERSION
+_SCALE_OUT_DISABLED = (
+    "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+)
 
 
 class EngineServer:
@@ -31,8 +36,8 @@ class EngineServer:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer)
-        disable_created_metrics()
-        self.metrics = EngineMetrics(cfg.served_model_names[0], str(cfg.dp_rank))
+        self.metrics = EngineMetrics(cfg.served_model_names[0], str(cfg.dp_rank), cfg.max_model_len)
+        self.metrics.set_cache_config(cfg)
         self.publisher = None
         if cfg.kv_events.enabled:
             self.publisher = ZmqEventPublisher(
@@ -42,13 +47,38 @@ class EngineServer:
         self.engine = Engine(cfg, sampler, self.metrics, self.publisher)
         self.connector = KVConnector(cfg, self.engine) if cfg.kv_transfer.mode else None
         self.serving = OpenAIServing(
-            self.engine, self.tokenizer, cfg.served_model_names, cfg.max_model_len, self.connector
+            self.engine,
+            self.tokenizer,
+            cfg.served_model_names,
+            cfg.max_model_len,
+            self.connector,
+            cfg.enable_request_id_headers,
         )
         self.created = int(time.time())
         self.app = self._build_app()
 
+    @web.middleware
+    async def _wire(self, request: web.Request, handler) -> web.StreamResponse:
+        """vLLM's framing of every answer: 404/405 as `{"detail": ...}` JSON (FastAPI's), and with
+        `--enable-request-id-headers` an X-Request-Id on every response, the client's or a new one."""
+        rid = None
+        if self.cfg.enable_request_id_headers:
+            rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            request["request_id"] = rid
+        try:
+            response = await handler(request)
+        except web.HTTPException as e:
+            if e.status not in (404, 405):
+                raise
+            detail = "Not Found" if e.status == 404 else "Method Not Allowed"
+            headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+            response = json_response({"detail": detail}, e.status, headers)
+        if rid is not None and not response.prepared:
+            response.headers["X-Request-Id"] = rid
+        return response
+
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._wire])
         r = app.router
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat)
@@ -60,6 +90,7 @@ class EngineServer:
         r.add_get("/v1/models", self.models)
         r.add_get("/version", self.version)
         r.add_get("/load", self.load)
+        r.add_get("/kv_event_sources", self.kv_event_sources)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_get("/metrics", self.metrics_endpoint)
@@ -74,7 +105,18 @@ class EngineServer:
         return await self.serving.handle(request, "chat.completions")
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.engine.is_alive else 503)
+        return web.Response(status=200 if self.engine.is_alive else 503)  # empty, no content type: as vLLM
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """vLLM 0.32: the KV events config per DP rank (this process is one rank), endpoints as offset."""
+        if not self.cfg.kv_events.enabled:
+            return json_response({})
+        source = asdict(self.cfg.kv_events)
+        source.pop("self_describing_kv_events", None)
+        if self.publisher is not None:
+            source["endpoint"] = self.publisher.endpoint
+            source["replay_endpoint"] = self.publisher.replay_endpoint
+        return json_response({str(self.cfg.dp_rank): source})
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response({"version": VERSION})
@@ -157,33 +199,57 @@ class EngineServer:
             return e.response()
         return json_response({"prompt": text})
 
+    def _generate_request(self, body: dict, ids: list[int], request_id: str) -> dict:
+        """vLLM 0.32's scale-out `GenerateRequest` for one prompt (the token-in-token-out request a router sends
+        to `/inference/v1/generate`). As vLLM dumps it: `sampling_params` omits fields at their defaults, except
+        the lists and `skip_reading_prefix_cache`; `max_tokens` is what the engine would allow."""
+        stream = bool(body.get("stream"))
+        stop = body.get("stop")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        fits = self.cfg.max_model_len - len(ids)
+        sampling: dict = {
+            "stop": [stop] if isinstance(stop, str) else list(stop or []),
+            "stop_token_ids": [],
+            "max_tokens": min(asked, fits) if isinstance(asked, int) else fits,
+            "bad_words": [],
+            "skip_reading_prefix_cache": False,
+        }
+        for name, default in (("n", 1), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("seed", None),
+                              ("min_tokens", 0), ("ignore_eos", False)):  # fmt: skip
+            value = body.get(name)
+            if value is not None and value != default:
+                sampling[name] = value
+        return {"request_id": request_id, "token_ids": ids, "token_offsets": None, "features": None,
+                "content_parts": None, "sampling_params": sampling, "model": body.get("model"),
+                "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
+                "output_mode": "tokens", "stream": stream,
+                "stream_options": body.get("stream_options") if stream else None,
+                "cache_salt": body.get("cache_salt"), "priority": body.get("priority") or 0,
+                "kv_transfer_params": None, "ec_transfer_params": None}  # fmt: skip
+
     async def render_completions(self, request: web.Request) -> web.Response:
+        if not self.cfg.enable_scale_out:
+            return APIError(_SCALE_OUT_DISABLED, 403).response()
         try:
             body = await self._body(request)
-            prompts = prompt_token_ids(self.tokenizer, "completions", body)
-        except ValueError as e:
-            return APIError(str(e)).response()
+            prompts = self.serving.prompts_of("completions", body)
         except APIError as e:
             return e.response()
-        raw = body["prompt"]
-        texts = [raw] if isinstance(raw, str) else raw if all(isinstance(p, str) for p in raw) else None
-        out = [
-            {"prompt_token_ids": ids, "prompt": texts[i] if texts else self.tokenizer.decode(ids)}
-            for i, ids in enumerate(prompts)
-        ]
-        return json_response(out)
+        base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        return json_response(
+            [self._generate_request(body, ids, f"{base}-{i}") for i, ids in enumerate(prompts)]
+        )
 
     async def render_chat(self, request: web.Request) -> web.Response:
+        if not self.cfg.enable_scale_out:
+            return APIError(_SCALE_OUT_DISABLED, 403).response()
         try:
             body = await self._body(request)
-            ids = prompt_token_ids(self.tokenizer, "chat.completions", body)[0]
-        except ValueError as e:
-            return APIError(str(e)).response()
+            ids = self.serving.prompts_of("chat.completions", body)[0]
         except APIError as e:
             return e.response()
-        conversation = [{"role": m.get("role"), "content": m.get("content")} for m in body["messages"]]
         return json_response(
-            [conversation, [{"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)}]]
+            self._generate_request(body, ids, request.headers.get("X-Request-Id") or uuid.uuid4().hex)
         )
 
     # -- lifecycle --------------------------------------------------------------------------------------------

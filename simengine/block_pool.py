@@ -2,7 +2,9 @@
 
 Freed blocks keep their content and stay findable by hash until a new allocation takes them (LRU order):
 that is the prefix cache. Taking a cached block out of the pool evicts it, which emits `BlockRemoved` and, when
-offloading is on, hands the block to the next tier.
+offloading is on, hands the block to the next tier. As in vLLM, two blocks may hold the same content (two
+sequences that computed the same prefix in one step): both are cached under the hash, each is announced by
+its own `BlockStored` and each eviction sends its own `BlockRemoved`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from simengine.events import MEDIUM_GPU, EventSink
+from simengine.events import MEDIUM_GPU, SPEC_FULL_ATTENTION, EventSink
 from simengine.request import BlockHash
 
 
@@ -48,7 +50,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[BlockHash, KVBlock] = {}
+        #: hash -> the blocks holding that content, by block id (first cached first: that one serves hits).
+        self.cached: dict[BlockHash, dict[int, KVBlock]] = {}
         self.sink = sink
         self.on_evict: EvictHook | None = None
 
@@ -61,7 +64,8 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
-        return self.cached.get(block_hash)
+        holders = self.cached.get(block_hash)
+        return next(iter(holders.values())) if holders else None
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Takes a reference on cached blocks a new request reuses; pulls them out of the free queue."""
@@ -85,60 +89,63 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         h = block.block_hash
-        if self.cached.get(h) is block:
-            del self.cached[h]
-            self.sink.removed(h, MEDIUM_GPU)
-            if self.on_evict is not None:
+        holders = self.cached.get(h)
+        if holders is not None and holders.pop(block.block_id, None) is block:
+            if not holders:
+                del self.cached[h]
+            self.sink.removed(h, MEDIUM_GPU, 0)
+            if self.on_evict is not None and not holders:
                 self.on_evict(block)
         block.block_hash = None
         block.parent_hash = None
         block.token_ids = None
 
     def cache_full_blocks(
-        self, blocks: list[KVBlock], hashes: list[BlockHash], parent: BlockHash | None, tokens: list[int]
+        self,
+        blocks: list[KVBlock],
+        hashes: list[BlockHash],
+        parent: BlockHash | None,
+        tokens: list[int],
+        extra_keys: list[tuple | None] | None = None,
     ) -> None:
-        """Marks newly full blocks as cached under their chain hashes; emits one `BlockStored` for them all."""
+        """Marks newly full blocks as cached under their chain hashes; one `BlockStored` for them all, as
+        vLLM's `cache_full_blocks` (content another block already holds is cached and announced again)."""
         if not self.enable_caching or not blocks:
             return
         bs = self.block_size
-        run: list[BlockHash] = []  # a contiguous run of newly cached blocks, published as one event
-        run_start = 0
         prev = parent
         for i, (block, h) in enumerate(zip(blocks, hashes, strict=True)):
-            if h in self.cached:  # the same content is cached in another block already: keep that one
-                self._flush(run, run_start, parent, hashes, tokens)
-                run, run_start, prev = [], i + 1, h
-                continue
             block.block_hash = h
             block.parent_hash = prev
             block.token_ids = tokens[i * bs : (i + 1) * bs]
-            self.cached[h] = block
-            run.append(h)
+            self.cached.setdefault(h, {})[block.block_id] = block
             prev = h
-        self._flush(run, run_start, parent, hashes, tokens)
-
-    def _flush(
-        self,
-        run: list[BlockHash],
-        start: int,
-        parent: BlockHash | None,
-        hashes: list[BlockHash],
-        tokens: list[int],
-    ) -> None:
-        if run:
-            bs = self.block_size
-            parent_of_first = parent if start == 0 else hashes[start - 1]
-            self.sink.stored(
-                run, parent_of_first, tokens[start * bs : (start + len(run)) * bs], bs, MEDIUM_GPU
-            )
+        self.sink.stored(
+            list(hashes),
+            parent,
+            tokens,
+            bs,
+            MEDIUM_GPU,
+            extra_keys or [None] * len(hashes),
+            0,
+            SPEC_FULL_ATTENTION,
+        )
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
-        """Drops one reference per block; blocks reaching 0 go to the tail of the free queue, in the order given
-        (callers pass a request's blocks tail first, so its prefix is evicted last)."""
+        """Drops one reference per block. As vLLM 0.32, blocks reaching 0 without cached content go to the head
+        of the free queue in the order given (reused first, LIFO), cached ones to its tail (evicted last, LRU);
+        callers pass a request's blocks tail first, so its prefix is evicted last."""
+        first: list[KVBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                if block.block_hash is None or not self.enable_caching:
+                    first.append(block)
+                else:
+                    self._free[block.block_id] = block
+        for block in reversed(first):
+            self._free[block.block_id] = block
+            self._free.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (blocks in use keep their data but are no longer shared)."""

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from simengine.block_hash import ALGORITHMS
 from simengine.kv_publisher import KVEventsConfig
 from simengine.profiles import PROFILES
 
@@ -128,9 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--data-parallel-size", type=int, default=1, help="DP size (informational)")
     v.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer directory (default: built-in)")
-    v.add_argument(
-        "--prefix-caching-hash-algo", default="xxhash", help="accepted for compatibility; xxh3-64 is used"
-    )
+    v.add_argument("--prefix-caching-hash-algo", choices=ALGORITHMS, default="sha256",
+                   help="block hash algorithm, as vLLM (default sha256); events carry vLLM's exact hashes")  # fmt: skip
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="accepted; reported as tp_size")
     v.add_argument("--enforce-eager", action="store_true", help="accepted and ignored")
     v.add_argument("--disable-log-requests", action="store_true", help="accepted and ignored")
@@ -138,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--disable-uvicorn-access-log", action="store_true", help="accepted and ignored")
     v.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="accepted and ignored")
     v.add_argument("--trust-remote-code", action="store_true", help="accepted and ignored")
-    for flag in ("--disable-log-stats", "--enable-request-id-headers", "--enable-server-load-tracking"):
+    v.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every response with X-Request-Id (the request's, else a new one), as vLLM")  # fmt: skip
+    v.add_argument("--enable-scale-out", action="store_true",
+                   help="serve the render endpoints (vLLM answers them 403 without this flag)")  # fmt: skip
+    for flag in ("--disable-log-stats", "--enable-server-load-tracking"):
         v.add_argument(flag, action="store_true", help="accepted and ignored")
     v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="accepted; chunked prefill is always on")  # fmt: skip
@@ -161,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a decode request waits for remote KV (trigger push or handoff pull)")  # fmt: skip
     s.add_argument("--kv-bytes-per-block", type=int, default=4096,
                    help="bytes sent over TCP per transferred block (a scaled-down stand-in for real KV)")  # fmt: skip
-    s.add_argument(
-        "--hash-seed", type=int, default=None, help="block hash seed (default: PYTHONHASHSEED or 0)"
-    )
+    s.add_argument("--hash-seed", default=None,
+                   help="seed of the first block's parent hash (default as vLLM: PYTHONHASHSEED, else a fixed "
+                   "seed for sha256*, a random one for xxhash*)")  # fmt: skip
 
     f = p.add_argument_group("fault injection")
     f.add_argument("--fault-crash-after", type=int, default=0, metavar="N", help="exit(1) after N requests")
@@ -208,7 +212,9 @@ class EngineConfig:
     kv_events_legacy_format: bool
     kv_transfer_timeout: float
     kv_bytes_per_block: int
-    hash_seed: int
+    #: None: vLLM's rule (PYTHONHASHSEED, else per algorithm).
+    hash_seed: str | None
+    prefix_caching_hash_algo: str
     fault_crash_after: int
     fault_hang: bool
     fault_latency_ms: float
@@ -217,11 +223,13 @@ class EngineConfig:
     fault_duplicate_callbacks: bool
     fault_event_gap_every: int
     fault_seed: int
+    enable_request_id_headers: bool = False
+    enable_scale_out: bool = False
+    gpu_memory_utilization: float = 0.9
 
 
 def parse_config(argv: list[str] | None = None) -> EngineConfig:
     """Parses and validates; raises SystemExit(2) with argparse's one-line message on bad input."""
-    import os
 
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -238,10 +246,6 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
         parser.error("--speedup must be > 0")
     if not 0 <= a.data_parallel_rank < max(a.data_parallel_size, a.data_parallel_rank + 1):
         parser.error("--data-parallel-rank must be >= 0")
-    seed = a.hash_seed
-    if seed is None:
-        env = os.environ.get("PYTHONHASHSEED", "")
-        seed = int(env) if env.isdigit() else 0
     return EngineConfig(
         model=model,
         served_model_names=a.served_model_name or [model],
@@ -267,7 +271,8 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
         kv_events_legacy_format=a.kv_events_legacy_format,
         kv_transfer_timeout=a.kv_transfer_timeout,
         kv_bytes_per_block=a.kv_bytes_per_block,
-        hash_seed=seed,
+        hash_seed=a.hash_seed,
+        prefix_caching_hash_algo=a.prefix_caching_hash_algo,
         fault_crash_after=a.fault_crash_after,
         fault_hang=a.fault_hang,
         fault_latency_ms=a.fault_latency_ms,
@@ -276,4 +281,7 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
         fault_duplicate_callbacks=a.fault_duplicate_callbacks,
         fault_event_gap_every=a.fault_event_gap_every,
         fault_seed=a.fault_seed,
+        enable_request_id_headers=a.enable_request_id_headers,
+        enable_scale_out=a.enable_scale_out,
+        gpu_memory_utilization=a.gpu_memory_utilization,
     )

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from simengine.block_hash import BlockHasher
 from simengine.config import EngineConfig
 from simengine.events import EventSink
 from simengine.kv_cache_manager import KVCacheManager
@@ -47,7 +48,7 @@ class Engine:
             num_cpu_blocks=cfg.cpu_blocks,
             num_disk_blocks=cfg.disk_blocks,
             offload=cfg.offload,
-            hash_seed=cfg.hash_seed,
+            hasher=BlockHasher(cfg.prefix_caching_hash_algo, cfg.hash_seed),
         )
         self.scheduler = Scheduler(self.kv, sampler, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         #: Called with the requests whose remote KV transfer must start (set by the P/D connector).
@@ -98,9 +99,7 @@ class Engine:
         self._wake.set()
 
     def start(self) -> None:
-        if self.publisher is not None:
-            self.kv.reset()  # AllBlocksCleared at start, as a reset marker for indexers
-            self._publish()
+        # No reset marker at start: as vLLM, the first batch (seq 0) is the first real cache change.
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
         self._task.add_done_callback(self._loop_ended)
 
@@ -184,6 +183,13 @@ class Engine:
                 if now - busy_since > _MAX_BUSY_S:
                     await asyncio.sleep(0)
                     busy_since = loop.time()
+            now_s = time.monotonic()
+            step_tokens = 0
+            for req, n in out.scheduled:
+                step_tokens += n
+                if req.scheduled_time == 0.0:
+                    req.scheduled_time = now_s
+            m.iteration_tokens.observe(step_tokens)
             produced = sched.update(out)
             self.steps += 1
             self._deliver(produced)
@@ -219,10 +225,27 @@ class Engine:
         n = len(req.output_token_ids)
         if n > 1:
             m.tpot.observe((now - req.first_token_time) / (n - 1))
+        scheduled = req.scheduled_time or now
+        first = req.first_token_time or now
+        m.queue_time.observe(scheduled - req.arrival_time)
+        m.prefill_time.observe(first - scheduled)
+        m.decode_time.observe(now - first)
+        m.inference_time.observe(now - scheduled)
+        m.request_prompt_tokens.observe(req.num_prompt_tokens)
+        m.request_generation_tokens.observe(n)
+        m.request_max_num_generation_tokens.observe(req.params.max_tokens)
+        m.request_params_max_tokens.observe(req.params.max_tokens)
+        m.request_params_n.observe(1)
+        m.request_num_preemptions.observe(req.num_preemptions)
+        m.request_prefill_kv_computed_tokens.observe(
+            max(req.num_prompt_tokens - max(req.num_cached_tokens, 0) - req.num_external_tokens, 0)
+        )
         m.prompt_tokens.inc(req.num_prompt_tokens)
         cached = max(req.num_cached_tokens, 0)
         m.prompt_tokens_cached.inc(cached + req.num_external_tokens)
         m.prompt_local_cache_hit.inc(cached)
+        m.cached_by_source["device"].inc(cached)
+        m.cached_by_source["external_unspecified"].inc(req.num_external_tokens)
         m.prompt_external_kv_transfer.inc(req.num_external_tokens)
         m.prompt_local_compute.inc(max(req.num_prompt_tokens - cached - req.num_external_tokens, 0))
 
@@ -231,6 +254,8 @@ class Engine:
         sched = self.scheduler
         m.num_requests_running.set(len(sched.running))
         m.num_requests_waiting.set(len(sched.waiting) + len(sched.remote_waiting))
+        m.waiting_capacity.set(len(sched.waiting))
+        m.waiting_deferred.set(len(sched.remote_waiting))
         m.kv_cache_usage_perc.set(self.kv.usage())
         kv = self.kv
         if kv.queries != self._queries:

@@ -13,6 +13,8 @@ from simengine.request import BlockHash
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
+#: vLLM's `KVCacheSpecKind` of a decoder's only KV cache group (full attention; group 0).
+SPEC_FULL_ATTENTION = "full_attention"
 
 
 @dataclass(slots=True)
@@ -25,26 +27,34 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str
+    #: Untagged extra hash keys per block (vLLM's `to_event_extra_keys`: `(cache_salt,)` on a salted first
+    #: block, else None); None when the event carries none at all (lower tiers).
+    extra_keys: list[tuple | None] | None = None
+    #: KV cache group (always 0: one full-attention group) and its kind, as vLLM's GPU pool annotates them;
+    #: None for the simulator's lower tiers.
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 @dataclass(slots=True)
 class BlockRemoved:
-    """Blocks that left a medium."""
+    """Blocks that left a medium (vLLM sends one event per block)."""
 
     block_hashes: list[BlockHash]
     medium: str
+    group_idx: int | None = None
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
-    """Every block of every medium is gone (sent once at start, as a reset marker)."""
+    """Every block of every medium is gone (a prefix cache reset)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventSink:
-    """Collects events between two publish points; merges consecutive removals of one medium."""
+    """Collects events between two publish points, one event per change as vLLM's block pool queues them."""
 
     __slots__ = ("events", "enabled")
 
@@ -53,19 +63,24 @@ class EventSink:
         self.enabled = enabled
 
     def stored(
-        self, hashes: list[BlockHash], parent: BlockHash | None, tokens: list[int], bs: int, medium: str
+        self,
+        hashes: list[BlockHash],
+        parent: BlockHash | None,
+        tokens: list[int],
+        bs: int,
+        medium: str,
+        extra_keys: list[tuple | None] | None = None,
+        group_idx: int | None = None,
+        spec_kind: str | None = None,
     ):
         if self.enabled and hashes:
-            self.events.append(BlockStored(hashes, parent, tokens, bs, medium))
+            self.events.append(
+                BlockStored(hashes, parent, tokens, bs, medium, extra_keys, group_idx, spec_kind)
+            )
 
-    def removed(self, block_hash: BlockHash, medium: str) -> None:
-        if not self.enabled:
-            return
-        last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved) and last.medium == medium:
-            last.block_hashes.append(block_hash)
-        else:
-            self.events.append(BlockRemoved([block_hash], medium))
+    def removed(self, block_hash: BlockHash, medium: str, group_idx: int | None = None) -> None:
+        if self.enabled:
+            self.events.append(BlockRemoved([block_hash], medium, group_idx))
 
     def cleared(self) -> None:
         if self.enabled:

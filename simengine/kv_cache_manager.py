@@ -3,24 +3,20 @@
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 
-import xxhash
-
+from simengine.block_hash import BlockHasher, to_event_hash
 from simengine.block_pool import BlockPool, KVBlock
 from simengine.events import MEDIUM_CPU, MEDIUM_STORAGE, EventSink
 from simengine.request import BlockHash, Request
 from simengine.tiers import TierCache
 
-_NONE_HASH = 0
 
-
-def hash_block(parent: BlockHash | None, tokens: list[int], seed: int) -> BlockHash:
-    """Chain hash of one full block: xxh3-64 of the parent hash and the token ids (vLLM's `xxhash` algorithm
-    family; consumers re-hash `token_ids` with their own function, so only stability per engine matters)."""
-    data = (parent or _NONE_HASH).to_bytes(8, "little") + array("q", tokens).tobytes()
-    return BlockHash(xxhash.xxh3_64_intdigest(data, seed))
+def block_extra_keys(request: Request, block_index: int) -> tuple | None:
+    """vLLM's per-block extra hash keys: the cache salt on the first block (no LoRA or multimodal here)."""
+    if block_index == 0 and request.cache_salt:
+        return (("cache_salt", request.cache_salt),)
+    return None
 
 
 @dataclass(slots=True)
@@ -50,11 +46,12 @@ class KVCacheManager:
         num_cpu_blocks: int = 0,
         num_disk_blocks: int = 0,
         offload: bool = False,
-        hash_seed: int = 0,
+        hasher: BlockHasher | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.hash_seed = hash_seed
+        #: vLLM's default algorithm (sha256, fixed seed unless PYTHONHASHSEED) unless the engine says otherwise.
+        self.hasher = hasher or BlockHasher()
         self.sink = sink
         self.pool = BlockPool(num_npu_blocks, block_size, sink, enable_caching)
         self.cpu = TierCache(MEDIUM_CPU, num_cpu_blocks, block_size, sink)
@@ -82,11 +79,17 @@ class KVCacheManager:
         """Extends the request's chain hashes over its full blocks (prompt and output)."""
         bs = self.block_size
         hashes = request.block_hashes
+        digests = request.block_digests
         full = request.num_tokens // bs
+        hash_block = self.hasher.hash_block
         while len(hashes) < full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, request.token_slice(i * bs, (i + 1) * bs), self.hash_seed))
+            parent = digests[-1] if digests else None
+            digest = hash_block(
+                parent, request.token_slice(i * bs, (i + 1) * bs), block_extra_keys(request, i)
+            )
+            digests.append(digest)
+            hashes.append(BlockHash(to_event_hash(digest)))
 
     # -- matching ---------------------------------------------------------------------------------------------
 
@@ -165,8 +168,11 @@ class KVCacheManager:
         blocks = self.pool.blocks
         new = [blocks[i] for i in request.block_ids[start:full]]
         parent = request.block_hashes[start - 1] if start else None
+        salt = request.cache_salt
+        # Events carry the extra keys untagged: the bare salt on the first block.
+        extra = [(salt,) if (i == 0 and salt) else None for i in range(start, full)]
         self.pool.cache_full_blocks(
-            new, request.block_hashes[start:full], parent, request.token_slice(start * bs, full * bs)
+            new, request.block_hashes[start:full], parent, request.token_slice(start * bs, full * bs), extra
         )
         request.num_cached_blocks = full
 

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -88,8 +89,10 @@ def should_bind(endpoint: str) -> bool:
 
 
 def _event_map(ev: KVEvent) -> dict:
+    """vLLM's msgspec encoding: tag first, fields in declaration order, defaulted (None) trailing fields
+    omitted; `parent_block_hash`, `lora_id`, `medium` and `lora_name` have no default, so they are always there."""
     if isinstance(ev, BlockStored):
-        return {
+        out: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": ev.block_hashes,
             "parent_block_hash": ev.parent_block_hash,
@@ -99,8 +102,22 @@ def _event_map(ev: KVEvent) -> dict:
             "medium": ev.medium,
             "lora_name": None,
         }
+        if ev.extra_keys is not None:
+            out["extra_keys"] = ev.extra_keys
+        if ev.group_idx is not None:
+            out["group_idx"] = ev.group_idx
+        if ev.kv_cache_spec_kind is not None:
+            out["kv_cache_spec_kind"] = ev.kv_cache_spec_kind
+        return out
     if isinstance(ev, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": ev.block_hashes, "medium": ev.medium}
+        removed: dict[str, Any] = {
+            "type": "BlockRemoved",
+            "block_hashes": ev.block_hashes,
+            "medium": ev.medium,
+        }
+        if ev.group_idx is not None:
+            removed["group_idx"] = ev.group_idx
+        return removed
     return {"type": "AllBlocksCleared"}
 
 

@@ -16,7 +16,8 @@ import msgspec
 from aiohttp import web
 
 from simengine.engine import Engine
-from simengine.protocol import APIError, Params, encode, json_response, parse_params
+from simengine.logprobs import LogprobsBuilder
+from simengine.protocol import APIError, Params, encode, invalid, json_response, parse_params, pydantic_error
 from simengine.request import Request, SamplingParams, Status
 from simengine.sampler import seed_key
 from tandem.tokenizer import prompt_token_ids
@@ -24,12 +25,13 @@ from tandem.tokenizer import prompt_token_ids
 _decode_json = msgspec.json.Decoder().decode
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 _DONE = b"data: [DONE]\n\n"
+VLLM_VERSION = "0.32.0"
 
 
 class _Seq:
     """Output state of one sequence (one choice) as the handler consumes it."""
 
-    __slots__ = ("req", "index", "pending", "text", "held", "finished", "sent_role")
+    __slots__ = ("req", "index", "pending", "text", "held", "finished", "sent_role", "emitted", "offset")
 
     def __init__(self, req: Request, index: int) -> None:
         self.req = req
@@ -39,6 +41,9 @@ class _Seq:
         self.held = ""  # streamed text held back while it could still become a stop string
         self.finished = False
         self.sent_role = False
+        #: Output tokens already streamed (their position numbers the next logprobs) and characters sent.
+        self.emitted = 0
+        self.offset = 0
 
 
 class _Group:
@@ -64,20 +69,34 @@ def _on_output(req: Request, tokens: list[int], finished: bool) -> None:
 class OpenAIServing:
     """Request handling shared by both APIs; `api` is "completions" or "chat.completions"."""
 
-    def __init__(self, engine: Engine, tokenizer, model_names: list[str], max_model_len: int, connector=None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        model_names: list[str],
+        max_model_len: int,
+        connector=None,
+        request_id_headers: bool = False,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.max_model_len = max_model_len
         self.connector = connector
+        #: vLLM's `--enable-request-id-headers`: SSE responses carry X-Request-Id too (set before streaming).
+        self.request_id_headers = request_id_headers
         self.eos = tokenizer.eos_token_id
         self._text: dict[int, str] = {}
         self._jtext: dict[int, bytes] = {}
         for tid in tokenizer.word_ids:
             self._piece(tid)
+        self.logprobs = LogprobsBuilder(self.text_of, tokenizer.word_ids)
         self.num_requests = 0
         cfg = engine.cfg
         self.fault_rng = random.Random(cfg.fault_seed)
+        # vLLM's fingerprint is its version plus a per-deployment hash; one per process here.
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{uuid.uuid4().hex[:8]}"
+        self._fp = b',"system_fingerprint":' + encode(self.fingerprint)
 
     def _piece(self, tid: int) -> bytes:
         j = self._jtext.get(tid)
@@ -98,8 +117,30 @@ class OpenAIServing:
         if model is None:
             return self.model_names[0]
         if model not in self.model_names:
-            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+            raise APIError(
+                f"The model `{model}` does not exist. Valid aliases: {', '.join(self.model_names)}.",
+                404,
+                "model",
+            )
         return model
+
+    def prompts_of(self, api: str, body: dict) -> list[list[int]]:
+        """Prompt token ids per prompt, with vLLM's errors for missing, empty and invalid prompts."""
+        if api == "completions":
+            prompt = body.get("prompt")
+            if prompt is None or prompt == "":
+                raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+            if prompt == []:
+                raise APIError("You must pass at least one prompt")
+        elif "messages" not in body:
+            raise pydantic_error("missing", "messages", "Field required", body)
+        try:
+            prompts = prompt_token_ids(self.tokenizer, api, body)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        if any(not ids for ids in prompts):
+            raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        return prompts
 
     async def handle(self, request: web.Request, api: str) -> web.StreamResponse:
         cfg = self.engine.cfg
@@ -113,16 +154,16 @@ class OpenAIServing:
             try:
                 body = _decode_json(raw)
             except msgspec.DecodeError as e:
-                raise APIError(f"JSON decode error: {e}") from None
+                raise pydantic_error("json_invalid", _error_pos(str(e)), "JSON decode error", {}) from None
             if not isinstance(body, dict):
-                raise APIError("request body must be a JSON object")
+                raise pydantic_error(
+                    "model_attributes_type", "", "Input should be a valid dictionary or object to extract fields from",
+                    body,
+                )  # fmt: skip
             model = self.check_model(body)
             chat = api == "chat.completions"
             params = parse_params(body, chat)
-            try:
-                prompts = prompt_token_ids(self.tokenizer, api, body)
-            except ValueError as e:
-                raise APIError(str(e)) from None
+            prompts = self.prompts_of(api, body)
             if cfg.fault_hang:
                 await asyncio.Event().wait()
             if cfg.fault_latency_ms:
@@ -131,24 +172,32 @@ class OpenAIServing:
                 raise APIError("simulated engine fault (--fault-error-rate)", 500)
         except APIError as e:
             return e.response()
-        base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        header_id = request.headers.get("X-Request-Id")
+        base = header_id or uuid.uuid4().hex[:16]
         return await self._generate(request, api, model, params, prompts, base)
+
+    def _max_tokens(self, params: Params, num_prompt: int) -> int:
+        """vLLM's budget: `max_tokens` above the context is an error, otherwise it is cut to what fits."""
+        limit = self.max_model_len
+        asked = params.max_tokens
+        if asked is not None and asked > limit:
+            raise invalid(f"max_tokens={asked} cannot be greater than max_model_len={limit}. Please request fewer "
+                          "output tokens.", "max_tokens", asked)  # fmt: skip
+        if num_prompt > limit:
+            raise invalid(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                          f"{num_prompt} input tokens, which exceeds this limit even without any output tokens. "
+                          "Please reduce the length of the input prompt.", "input_tokens", num_prompt)  # fmt: skip
+        fits = limit - num_prompt
+        budget = fits if asked is None else min(asked, fits)
+        if budget < 1:
+            raise invalid(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
+        return budget
 
     def _make_requests(self, api: str, params: Params, prompts: list[list[int]], base: str) -> _Group:
         group = _Group()
         now = time.monotonic()
         for p_idx, ids in enumerate(prompts):
-            if not ids:
-                raise APIError("The prompt cannot be empty.")
-            max_tokens = params.max_tokens
-            if max_tokens is None:
-                max_tokens = self.max_model_len - len(ids)
-            if len(ids) + max_tokens > self.max_model_len:
-                raise APIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                    f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
-                    "Please reduce the length of the messages or completion."
-                )
+            max_tokens = self._max_tokens(params, len(ids))
             callback_id = f"chatcmpl-{base}" if api == "chat.completions" else f"cmpl-{base}-{p_idx}"
             for j in range(params.n):
                 key = seed_key(ids, params.temperature, params.top_p, params.top_k, params.seed, j)
@@ -156,7 +205,7 @@ class OpenAIServing:
                 rid = f"{callback_id}-{uuid.uuid4().hex[:8]}"
                 if params.n > 1:
                     rid = f"{j}_{rid}"
-                req = Request(rid, ids, sp, now, on_output=_on_output)
+                req = Request(rid, ids, sp, now, on_output=_on_output, cache_salt=params.cache_salt)
                 seq = _Seq(req, p_idx * params.n + j)
                 req.user = (seq, group)
                 if self.connector is not None:
@@ -245,97 +294,166 @@ class OpenAIServing:
             "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
             "prompt_tokens_details": None,
+            "completion_tokens_details": None,
         }
+        k = params.logprobs
+        lp = self.logprobs
         choices = []
         for seq in group.seqs:
             text = "".join(seq.text) + seq.held
             req = seq.req
+            key = req.params.seed_key
+            out = req.output_token_ids
             if api == "chat.completions":
                 message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                           "function_call": None, "tool_calls": [], "reasoning_content": None}  # fmt: skip
-                choices.append({"index": seq.index, "message": message, "logprobs": None,
-                                "finish_reason": req.finish_reason, "stop_reason": req.stop_reason})  # fmt: skip
+                           "function_call": None, "reasoning": None}  # fmt: skip
+                logprobs = lp.chat(key, out, 0, k) if k is not None else None
+                choices.append({"index": seq.index, "message": message, "logprobs": logprobs,
+                                "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
+                                "token_ids": None, "routed_experts": None})  # fmt: skip
             else:
-                choices.append({"index": seq.index, "text": text, "logprobs": None, "finish_reason": req.finish_reason,
-                                "stop_reason": req.stop_reason, "prompt_logprobs": None})  # fmt: skip
+                prompt = req.prompt_token_ids if params.echo else None
+                if params.echo:
+                    text = self.tokenizer.decode(req.prompt_token_ids) + text
+                logprobs = lp.completion(key, out, 0, k, 0, prompt) if k is not None else None
+                prompt_lp = (
+                    lp.prompt_logprobs(key, req.prompt_token_ids, k)
+                    if (k is not None and params.echo)
+                    else None
+                )
+                choices.append({"index": seq.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
+                                "token_ids": None, "prompt_logprobs": prompt_lp, "prompt_token_ids": None,
+                                "routed_experts": None})  # fmt: skip
         if api == "chat.completions":
             body = {"id": f"chatcmpl-{base}", "object": "chat.completion", "created": created, "model": model,
-                    "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
-                    "prompt_logprobs": None, "kv_transfer_params": kv_params}  # fmt: skip
+                    "choices": choices, "service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage,
+                    "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+                    "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}  # fmt: skip
         else:
             body = {"id": f"cmpl-{base}", "object": "text_completion", "created": created, "model": model,
-                    "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
-                    "kv_transfer_params": kv_params}  # fmt: skip
-        return json_response(body, headers={"X-Request-Id": base})
+                    "choices": choices, "service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage,
+                    "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}  # fmt: skip
+        return json_response(body)
 
     # -- streaming --------------------------------------------------------------------------------------------
 
     async def _stream(
         self, request, api, model, params: Params, group: _Group, base: str
     ) -> web.StreamResponse:
+        """vLLM's chunks: completions send one chunk per token (`prompt_token_ids` and `token_ids` null, the
+        prompt ids on an echoed first chunk); chat sends a role chunk per choice first (with top-level
+        `prompt_token_ids` / `prompt_text`), then token chunks; each choice's last chunk has its finish reason,
+        chat's a `stop_reason`, and the top-level `system_fingerprint` unless a usage chunk follows (then it
+        carries it); continuous usage adds the choice's usage so far to every chunk."""
         chat = api == "chat.completions"
         created = int(time.time())
         rid = f"chatcmpl-{base}" if chat else f"cmpl-{base}"
+        obj = b"chat.completion.chunk" if chat else b"text_completion"
         head = (
-            b'data: {"id":' + encode(rid) + b',"object":"' + (b"chat.completion.chunk" if chat else b"text_completion")
-            + b'","created":' + str(created).encode() + b',"model":' + encode(model) + b',"choices":[{"index":'
+            b'data: {"id":' + encode(rid) + b',"object":"' + obj + b'","created":' + str(created).encode()
+            + b',"model":' + encode(model) + b',"choices":[{"index":'
         )  # fmt: skip
-        if chat:
-            mid, tail = b',"delta":{"content":', b'},"logprobs":null,"finish_reason":null}]}\n\n'
-        else:
-            mid, tail = b',"text":', b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
         # Wait for the first output before answering, so errors before it are proper JSON errors.
         while not any(s.pending or s.finished for s in group.seqs):
             await self._wait(group)
         for seq in group.seqs:
             if seq.req.status is Status.FINISHED_ERROR:
                 return APIError(seq.req.stop_reason or "engine error", 500).response()
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": base})
+        headers = dict(_SSE_HEADERS)
+        if self.request_id_headers:
+            headers["X-Request-Id"] = request.get("request_id") or base
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         jtext = self._jtext
         index_bytes = [str(s.index).encode() for s in group.seqs]
+        k = params.logprobs
+        continuous = params.include_usage and params.continuous_usage
+        fp_on_finish = b"" if params.include_usage else self._fp
         done: set[int] = set()
+
+        def usage_of(seq: _Seq, chat_details: bool) -> bytes:
+            if not continuous:
+                return b""
+            p, c = len(seq.req.prompt_token_ids), seq.emitted
+            usage: dict[str, int | None] = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
+            if chat_details:
+                usage["completion_tokens_details"] = None
+            return b',"usage":' + encode(usage)
+
+        def token_chunk(
+            k_: int, seq: _Seq, text: bytes, toks: list[int], final: bool, prompt_ids: bytes
+        ) -> bytes:
+            logprobs = b"null"
+            if k is not None and toks:
+                key = seq.req.params.seed_key
+                if chat:
+                    logprobs = encode(self.logprobs.chat(key, toks, seq.emitted, k))
+                else:
+                    d = self.logprobs.completion(key, toks, seq.emitted, k, seq.offset)
+                    seq.offset = d["text_offset"][-1] + len(d["tokens"][-1])
+                    logprobs = encode(d)
+            seq.emitted += len(toks)
+            if final:
+                req = seq.req
+                fin = encode(req.finish_reason or "stop")
+                sr = b',"stop_reason":' + encode(req.stop_reason)
+            else:
+                fin, sr = b"null", b""
+            idx = index_bytes[k_]
+            if chat:
+                out = (head + idx + b',"delta":{"content":' + text + b'},"logprobs":' + logprobs
+                       + b',"finish_reason":' + fin + sr + b',"token_ids":null}]')  # fmt: skip
+            else:
+                out = (head + idx + b',"text":' + text + b',"logprobs":' + logprobs + b',"finish_reason":' + fin
+                       + (sr or b',"stop_reason":null') + b',"prompt_token_ids":' + prompt_ids
+                       + b',"token_ids":null}]')  # fmt: skip
+            return out + usage_of(seq, chat) + (fp_on_finish if final else b"") + b"}\n\n"
+
+        parts: list[bytes] = []
+        if chat:  # every choice's role chunk comes first, as vLLM sends them
+            for n_, seq in enumerate(group.seqs):
+                seq.sent_role = True
+                parts.append(head + index_bytes[n_] + b',"delta":{"role":"assistant","content":""},"logprobs":null,'
+                             b'"finish_reason":null}]' + usage_of(seq, True)
+                             + b',"prompt_token_ids":null,"prompt_text":null}\n\n')  # fmt: skip
         while True:
-            parts: list[bytes] = []
-            for k, seq in enumerate(group.seqs):
-                if k in done:
+            for n_, seq in enumerate(group.seqs):
+                if n_ in done:
                     continue
-                idx = index_bytes[k]
-                if chat and not seq.sent_role:
-                    seq.sent_role = True
-                    parts.append(head + idx + b',"delta":{"role":"assistant","content":""},"logprobs":null,'
-                                 b'"finish_reason":null}]}\n\n')  # fmt: skip
                 tokens, _ = self._consume(seq)
-                last = ""
+                prefix = ""
+                prompt_ids = b"null"
+                if params.echo and not seq.sent_role:
+                    seq.sent_role = True  # completions: the echoed prompt leads the first chunk
+                    prefix = self.tokenizer.decode(seq.req.prompt_token_ids)
+                    prompt_ids = encode(seq.req.prompt_token_ids)
                 if seq.req.params.stop:
-                    text = "".join(seq.text)
+                    text = prefix + "".join(seq.text)
                     seq.text.clear()
                     if seq.finished:
-                        last, seq.held = text + seq.held, ""
+                        parts.append(token_chunk(n_, seq, encode(text + seq.held), tokens, True, prompt_ids))
+                        seq.held = ""
                     elif text:
-                        parts.append(head + idx + mid + encode(text) + tail)
+                        parts.append(token_chunk(n_, seq, encode(text), tokens, False, prompt_ids))
                 else:
-                    body = tokens
-                    if seq.finished and tokens:
-                        body, last = tokens[:-1], self.text_of(tokens[-1:])
-                    for t in body:
-                        parts.append(head + idx + mid + (jtext.get(t) or self._piece(t)) + tail)
+                    last = len(tokens) - 1
+                    for i, t in enumerate(tokens):
+                        piece = jtext.get(t) or self._piece(t)
+                        if prefix:
+                            piece, prefix = encode(prefix + self.text_of([t])), ""
+                        final = seq.finished and i == last
+                        parts.append(token_chunk(n_, seq, piece, [t], final, prompt_ids))
+                        prompt_ids = b"null"
+                    if seq.finished and not tokens:
+                        parts.append(token_chunk(n_, seq, encode(prefix), [], True, prompt_ids))
                 if seq.finished:
-                    done.add(k)
+                    done.add(n_)
                     req = seq.req
                     if req.status is Status.FINISHED_ERROR:
                         err = {"error": {"message": req.stop_reason, "type": "InternalServerError", "param": None,
                                          "code": 500}}  # fmt: skip
                         parts.append(b"data: " + encode(err) + b"\n\n")
-                        continue
-                    fin = encode(req.finish_reason or "stop")
-                    stop_reason = encode(req.stop_reason)
-                    if chat:
-                        parts.append(head + idx + b',"delta":{"content":' + encode(last) + b'},"logprobs":null,'
-                                     b'"finish_reason":' + fin + b',"stop_reason":' + stop_reason + b"}]}\n\n")  # fmt: skip
-                    else:
-                        parts.append(head + idx + b',"text":' + encode(last) + b',"logprobs":null,"finish_reason":'
-                                     + fin + b',"stop_reason":' + stop_reason + b"}]}\n\n")  # fmt: skip
             finished = len(done) == len(group.seqs)
             if finished and params.include_usage:
                 prompt_tokens = sum(len(s.req.prompt_token_ids) for s in group.seqs[:: params.n])
@@ -343,10 +461,8 @@ class OpenAIServing:
                 usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
                          "completion_tokens": completion_tokens}  # fmt: skip
                 parts.append(
-                    b'data: {"id":' + encode(rid) + b',"object":"'
-                    + (b"chat.completion.chunk" if chat else b"text_completion") + b'","created":'
-                    + str(created).encode() + b',"model":' + encode(model) + b',"choices":[],"usage":'
-                    + encode(usage) + b"}\n\n"
+                    b'data: {"id":' + encode(rid) + b',"object":"' + obj + b'","created":' + str(created).encode()
+                    + b',"model":' + encode(model) + b',"choices":[],"usage":' + encode(usage) + self._fp + b"}\n\n"
                 )  # fmt: skip
             if finished:
                 parts.append(_DONE)
@@ -355,8 +471,15 @@ class OpenAIServing:
                     await resp.write(b"".join(parts))
                 except (ConnectionResetError, RuntimeError):
                     return resp  # client went away; the finally block aborts the sequences
+                parts = []
             if finished:
                 break
             await self._wait(group)
         await resp.write_eof()
         return resp
+
+
+def _error_pos(message: str) -> str:
+    """The byte position msgspec names in a JSON decode error ("... (byte 28)"), as pydantic's `loc`."""
+    tail = message.rsplit("byte ", 1)
+    return tail[1].rstrip(")") if len(tail) == 2 else "0"

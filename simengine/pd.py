@@ -15,6 +15,10 @@ Storage (ExampleConnector, vLLM's CPU-friendly P/D): a producer writes every fin
 from its block count) under `kv_connector_extra_config.shared_storage_path`, keyed by its block-aligned prompt
 tokens; a consumer that finds the file for a new request's prompt loads it instead of computing those tokens.
 
+Mooncake (MooncakeConnector / MooncakeConnectorV1, handoff): when the Mooncake transfer engine is installed (the
+`mooncake` extra, Debian libibverbs1), the bytes go through it instead, with vLLM-Ascend's handshake (see
+simengine/mooncake.py); without it the connector logs why and uses the plain TCP path below.
+
 Wire of the KV listener (one TCP connection per transfer): a JSON header line, then `nbytes` raw bytes.
 `{"op":"pull","remote_request_id":..}` -> `{"ok":true,"num_tokens":N,"nbytes":B}\\n` + B bytes;
 `{"op":"push","request_id":..,"num_tokens":N,"nbytes":B}\\n` + B bytes -> `{"ok":true}\\n`.
@@ -33,6 +37,7 @@ from typing import Any
 
 import aiohttp
 
+from simengine import mooncake
 from simengine.config import EngineConfig
 from simengine.engine import Engine
 from simengine.request import Request
@@ -46,6 +51,11 @@ _HELD_TIMEOUT_S = 120.0
 def _read_file(path: str) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
+
+
+def block_pattern(block_id: int) -> int:
+    """The byte a prefill engine writes into a block it hands over (never 0, so untouched memory differs)."""
+    return block_id % 251 + 1
 
 
 def _flat_block_ids(value: Any) -> list[int] | None:
@@ -78,10 +88,34 @@ class KVConnector:
         engine.on_remote_kv = self._start_loads
         extra = self.kt.kv_connector_extra_config
         self.storage_path = str(extra.get("shared_storage_path") or "/tmp/simengine-kv-storage")
+        #: The real Mooncake transfer engine for the Mooncake handoff connectors, when it can be loaded.
+        self.mooncake: mooncake.MooncakeTransport | None = None
+        self._use_mooncake = False
+        if self.mode == "handoff" and (self.kt.kv_connector or "").startswith("MooncakeConnector"):
+            missing = mooncake.available()
+            if missing is None:
+                self._use_mooncake = True
+            else:
+                log.warning("Mooncake transfer engine unavailable (%s); %s uses the plain TCP path",
+                            missing, self.kt.kv_connector)  # fmt: skip
 
     async def start(self) -> None:
         if self.mode == "storage":
             os.makedirs(self.storage_path, exist_ok=True)
+            return
+        if self._use_mooncake:
+            self.mooncake = await asyncio.to_thread(
+                mooncake.MooncakeTransport,
+                self.host,
+                self.engine_id,
+                self.cfg.npu_blocks,
+                self.cfg.kv_bytes_per_block,
+            )
+            loop = asyncio.get_running_loop()
+            if self.kt.is_producer:
+                self.port = self.mooncake.listen(
+                    self.port, lambda rid: loop.call_soon_threadsafe(self.engine.scheduler.release_held, rid)
+                )
             return
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -92,6 +126,8 @@ class KVConnector:
             t.cancel()
         if self._server is not None:
             self._server.close()
+        if self.mooncake is not None:
+            self.mooncake.close()
         if self._session is not None:
             await self._session.close()
 
@@ -148,6 +184,9 @@ class KVConnector:
         bs = self.cfg.block_size
         # Only full prompt blocks are sent (vLLM's `computed_block_ids`); the decode engine computes the rest.
         full = request.block_ids[: request.num_prompt_tokens // bs]
+        if self.mooncake is not None:
+            for block in full:  # real bytes to move: a per-block pattern the decode side can check
+                self.mooncake.write_pattern(block, block_pattern(block))
         if full:
             self.release_later(request)
         else:
@@ -247,6 +286,8 @@ class KVConnector:
                 self._spawn(self._load_storage(req))
             elif self.mode == "trigger" and params.get("metaserver"):
                 self._spawn(self._trigger(req, params))
+            elif self.mooncake is not None:
+                self._spawn(self._pull_mooncake(req, params))
             else:
                 self._spawn(self._pull(req, params))
 
@@ -283,6 +324,38 @@ class KVConnector:
             self.metrics.kv_transfer_failures.inc()
             self.metrics.kv_transfer_fallbacks.inc()
             self._done(req, False)
+
+    async def _pull_mooncake(self, req: Request, params: dict) -> None:
+        """Reads the prompt's blocks from the prefill engine through the Mooncake transfer engine. As
+        vLLM-Ascend, a failed read is logged and the request goes on as if the KV had arrived (no recompute)."""
+        transport = self.mooncake
+        assert transport is not None
+        remote = _flat_block_ids(params.get("remote_block_ids")) or []
+        local = req.block_ids[: len(remote)]
+        result = await asyncio.to_thread(
+            transport.pull, params["remote_host"], int(params["remote_port"]),
+            str(params.get("remote_request_id", "")), remote, local,
+        )  # fmt: skip
+        tokens = len(local) * self.cfg.block_size
+        if result.ok:
+            self.metrics.kv_transfer_bytes.inc(result.nbytes)
+            bad = sum(
+                transport.read_block(lb)[:1] != bytes([block_pattern(rb)])
+                for rb, lb in zip(remote, local, strict=False)
+            )
+            if bad:
+                log.error(
+                    "Mooncake read of %s: %d blocks hold other bytes than the prefill engine's",
+                    req.request_id,
+                    bad,
+                )
+                self.metrics.kv_transfer_failures.inc()
+        else:
+            log.error("Mooncake KV transfer for %s failed: %s", req.request_id, result.error)
+            self.metrics.kv_transfer_failures.inc()
+        await asyncio.sleep(self.engine.profile.transfer_s(tokens) / self.cfg.speedup)
+        if not req.is_finished:
+            self._done(req, True, tokens)
 
     async def _trigger(self, req: Request, params: dict) -> None:
         loop = asyncio.get_running_loop()

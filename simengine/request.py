@@ -55,8 +55,12 @@ class Request:
     num_cached_tokens: int = -1
     #: Block ids held on the NPU, in order.
     block_ids: list[int] = field(default_factory=list)
-    #: Chain hashes of the full blocks of prompt + output so far.
+    #: Chain hashes of the full blocks of prompt + output so far (the 64-bit event form).
     block_hashes: list[BlockHash] = field(default_factory=list)
+    #: The same hashes as full digests: the chain goes on from these (vLLM hashes the parent's digest).
+    block_digests: list[bytes] = field(default_factory=list)
+    #: vLLM's `cache_salt`: an extra hash key of the first block, so salted prompts share nothing unsalted.
+    cache_salt: str | None = None
     #: Leading blocks of `block_ids` already cached under their hashes.
     num_cached_blocks: int = 0
     #: Bytes to load from CPU / disk in the step that schedules this request (set by the KV cache manager).
@@ -76,6 +80,8 @@ class Request:
     #: Trigger mode: the request id the metaserver callback names (internal id minus its 9-char suffix).
     pd_callback_id: str = ""
     num_preemptions: int = 0
+    #: When the scheduler first gave the request compute (monotonic; 0 until then): ends its queue time.
+    scheduled_time: float = 0.0
     first_token_time: float = 0.0
     last_token_time: float = 0.0
     finish_reason: str | None = None

@@ -123,8 +123,9 @@ class SimInstance:
 
 class LazyBlockPool(BlockPool):
     """simengine's `BlockPool` with its blocks made on first use instead of all at start (8M objects for 512
-    instances of 16k blocks). Same allocation order: vLLM's free queue starts with every block in id order and
-    freed blocks go to its tail, so never-used blocks are always taken before freed ones."""
+    instances of 16k blocks). Same allocation order: vLLM's free queue starts with every block in id order, freed
+    blocks without cached content go to its head and cached ones to its tail, so the order is: freed uncached
+    blocks, never-used blocks, freed cached blocks (LRU)."""
 
     def __init__(
         self, num_blocks: int, block_size: int, sink: EventSink, enable_caching: bool = True
@@ -143,10 +144,16 @@ class LazyBlockPool(BlockPool):
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        fresh = min(n, self._fresh)
         if n > self.num_free_blocks:
             raise ValueError(f"cannot get {n} free blocks from the pool ({self.num_free_blocks} free)")
         out = []
+        while len(out) < n and self._free:  # freed uncached blocks sit ahead of the never-used ones
+            head = next(iter(self._free.values()))
+            if head.block_hash is not None:
+                break
+            out += super().get_new_blocks(1)
+        n -= len(out)
+        fresh = min(n, self._fresh)
         for _ in range(fresh):
             block = KVBlock(len(self.blocks), ref_cnt=1)
             self.blocks.append(block)

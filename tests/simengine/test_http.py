@@ -22,7 +22,7 @@ def test_completion_shape_and_request_id(engine):
                                {"X-Request-Id": "abc123"})  # fmt: skip
     assert status == 200
     assert list(body) == ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint",
-                          "usage", "kv_transfer_params"]  # fmt: skip
+                          "usage", "kv_transfer_params", "ec_transfer_params", "metrics"]  # fmt: skip
     assert body["id"] == "cmpl-abc123" and body["object"] == "text_completion" and body["model"] == "sim"
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and choice["stop_reason"] is None and choice["index"] == 0
@@ -140,13 +140,29 @@ def test_tokenize_detokenize_render(engine):
     _, de = engine.post("/detokenize", {"tokens": tok["tokens"]})
     assert de == {"prompt": "hello world"}
     _, chat_tok = engine.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    # vLLM 0.32 serves the render endpoints only with --enable-scale-out
+    status, denied = engine.post("/v1/completions/render", {"prompt": "a"})
+    assert status == 403 and denied["error"]["type"] == "PermissionDeniedError"
+
+
+def test_render_with_scale_out(engines):
+    engine = engines("--speedup", "1000", "--enable-scale-out")
+    _, tok = engine.post("/tokenize", {"prompt": "hello world"})
+    _, chat_tok = engine.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
     _, rendered = engine.post(
-        "/v1/chat/completions/render", {"messages": [{"role": "user", "content": "hi"}]}
+        "/v1/chat/completions/render", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     )
-    conversation, prompts = rendered
-    assert conversation[0]["role"] == "user" and prompts[0]["prompt_token_ids"] == chat_tok["tokens"]
-    _, rc = engine.post("/v1/completions/render", {"prompt": ["hello world", "bye"]})
-    assert rc[0] == {"prompt_token_ids": tok["tokens"], "prompt": "hello world"} and len(rc) == 2
+    assert rendered["token_ids"] == chat_tok["tokens"] and rendered["sampling_params"]["max_tokens"] == 3
+    # the keys vLLM 0.32 dumps for GenerateRequest(request_id, token_ids, sampling_params=SamplingParams(max_tokens=3),
+    # model) (vllm.entrypoints.scale_out.token_in_token_out.protocol, model_dump(mode="json"))
+    assert list(rendered) == ["request_id", "token_ids", "token_offsets", "features", "content_parts",
+                              "sampling_params", "model", "reasoning_ended", "reasoning_parser_kwargs",
+                              "return_token_ids", "output_mode", "stream", "stream_options", "cache_salt", "priority",
+                              "kv_transfer_params", "ec_transfer_params"]  # fmt: skip
+    assert rendered["sampling_params"] == {"stop": [], "stop_token_ids": [], "max_tokens": 3, "bad_words": [],
+                                           "skip_reading_prefix_cache": False}  # fmt: skip
+    _, rc = engine.post("/v1/completions/render", {"prompt": ["hello world", "bye"]}, {"X-Request-Id": "r"})
+    assert [r["request_id"] for r in rc] == ["r-0", "r-1"] and rc[0]["token_ids"] == tok["tokens"]
     assert engine.post("/v1/completions/render", {"model": "x", "prompt": "a"})[0] == 404
 
 

@@ -1,7 +1,10 @@
 """Block pool, tiers and KV cache manager without sockets: caching, prefix hits, eviction, offload, events."""
 
+import pytest
+
+from simengine.block_hash import BlockHasher, to_event_hash
 from simengine.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
-from simengine.kv_cache_manager import KVCacheManager, hash_block
+from simengine.kv_cache_manager import KVCacheManager
 from simengine.request import Request, SamplingParams
 
 BS = 4
@@ -22,12 +25,41 @@ def events_of(sink, cls):
     return [e for e in sink.events if isinstance(e, cls)]
 
 
-def test_hash_chain_depends_on_prefix():
-    a = hash_block(None, [1, 2, 3, 4], 0)
-    assert hash_block(None, [1, 2, 3, 4], 0) == a
-    assert hash_block(a, [1, 2, 3, 4], 0) != a
-    assert hash_block(None, [1, 2, 3, 4], 1) != a
-    assert 0 <= a < 2**64
+# Event hashes real vLLM 0.32 computes (PYTHONHASHSEED=0) for block [1, 2, 3, 4], then [5, 6, 7, 8] chained on it
+# with cache salt "s": vllm.v1.core.kv_cache_utils.hash_block_tokens + maybe_convert_block_hash, run in .venv-vllm.
+VLLM_HASHES = {
+    "sha256": (10362225831949560093, 11066406391195445260),
+    "sha256_cbor": (2164874634404590027, 17325501161450444943),
+    "xxhash": (5138823041740264343, 8533696015205237778),
+    "xxhash_cbor": (1560721706249274670, 15746645555816441612),
+}
+
+
+@pytest.mark.parametrize("algo", sorted(VLLM_HASHES))
+def test_block_hashes_are_vllms(algo):
+    hasher = BlockHasher(algo, seed="0")
+    first = hasher.hash_block(None, [1, 2, 3, 4])
+    second = hasher.hash_block(first, [5, 6, 7, 8], (("cache_salt", "s"),))
+    assert (to_event_hash(first), to_event_hash(second)) == VLLM_HASHES[algo]
+
+
+def test_hash_seed_follows_vllm(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert BlockHasher("sha256").seed == BlockHasher("sha256_cbor").seed == "vllm-none-hash"  # shareable
+    assert BlockHasher("xxhash").seed != BlockHasher("xxhash").seed  # random per process, as vLLM
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert BlockHasher("xxhash").seed == "7"
+    with pytest.raises(ValueError, match="unknown prefix caching hash algorithm"):
+        BlockHasher("md5")
+
+
+def test_cache_salt_changes_the_chain_from_the_first_block():
+    kv = KVCacheManager(8, BS, EventSink())
+    plain, salted = req(range(8), "a"), req(range(8), "b")
+    salted.cache_salt = "tenant-1"
+    kv.update_hashes(plain)
+    kv.update_hashes(salted)
+    assert plain.block_hashes[0] != salted.block_hashes[0] and plain.block_hashes[1] != salted.block_hashes[1]
 
 
 def test_full_blocks_are_cached_and_published():
@@ -67,8 +99,31 @@ def test_eviction_emits_block_removed():
     b = req(range(100, 116), "b")
     run_prefill(kv, b)
     removed = events_of(sink, BlockRemoved)
-    assert removed and all(e.medium == "GPU" for e in removed)
+    assert removed and all(e.medium == "GPU" and e.group_idx == 0 for e in removed)
+    assert all(len(e.block_hashes) == 1 for e in removed)  # one event per block, as vLLM
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(a.block_hashes)
+
+
+def test_same_content_in_two_blocks_is_stored_and_removed_twice():
+    """Two sequences computing the same prompt in one step both cache it (vLLM's n > 1 case)."""
+    sink = EventSink()
+    kv = KVCacheManager(4, BS, sink)
+    a, b = req(range(4), "a"), req(range(4), "b")
+    for r in (a, b):
+        assert kv.allocate_slots(r, 4, kv.get_computed_blocks(r) if r is a else None)
+    for r in (a, b):
+        r.num_computed_tokens = 4
+        kv.cache_blocks(r, 4)
+    stored = events_of(sink, BlockStored)
+    assert [e.block_hashes for e in stored] == [a.block_hashes, a.block_hashes]
+    assert stored[0].group_idx == 0 and stored[0].kv_cache_spec_kind == "full_attention"
+    assert stored[0].extra_keys == [None]
+    kv.free(a)
+    kv.free(b)
+    sink.drain()
+    fill = req(range(100, 116), "fill")
+    assert kv.allocate_slots(fill, 16, kv.get_computed_blocks(fill))
+    assert [e.block_hashes for e in events_of(sink, BlockRemoved)] == [a.block_hashes, a.block_hashes]
 
 
 def test_offload_to_cpu_then_disk_and_lower_tier_hits():

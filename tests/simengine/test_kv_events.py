@@ -136,10 +136,12 @@ def test_events_replay_and_end_marker(engines, tmp_path):
     assert stored["token_ids"] == prompt[:32] and len(stored["block_hashes"]) == 2
     assert all(isinstance(h, int) for h in stored["block_hashes"])
     assert {"lora_id", "lora_name"} <= set(stored) and sub.ranks == {0}
-    # replay from 0: AllBlocksCleared (sent at start, before we subscribed) and every batch since
+    assert stored["group_idx"] == 0 and stored["kv_cache_spec_kind"] == "full_attention"
+    assert stored["extra_keys"] == [None, None]
+    # replay from 0: as vLLM, the first batch (seq 0) is the first cache change, no reset marker before it
     batches, nframes = replay(cfg["replay_endpoint"], 0)
     assert nframes == 4  # current framing: ["", topic, seq, payload]; end ["", "", -1, ""]
-    assert batches[0][0] == 0 and batches[0][1][1] == [{"type": "AllBlocksCleared"}]
+    assert batches[0][0] == 0 and batches[0][1][1][0]["type"] == "BlockStored"
     assert [s for s, _ in batches] == list(range(len(batches)))
     later, _ = replay(cfg["replay_endpoint"], 1)
     assert later == batches[1:]
@@ -191,7 +193,7 @@ def test_legacy_format_and_dp_rank_offset(engines, tmp_path):
     e.post("/v1/completions", {"prompt": list(range(300, 340)), "max_tokens": 1})
     assert sub.poll(lambda evs: any(x["type"] == "BlockStored" for x in evs))
     raw = msgspec.msgpack.decode(replay_raw(rep))
-    assert raw[1][0] == ["AllBlocksCleared"] and raw[2] == 2
+    assert raw[1][0][0] == "BlockStored" and raw[2] == 2
     batches, nframes = replay(rep, 0)
     assert nframes == 3 and sub.ranks == {2}  # legacy framing: ["", seq, payload]
     sub.close()

@@ -313,3 +313,46 @@ async def test_example_connector_shared_storage(engines, tmp_path):
         'vllm:prompt_tokens_by_source_total{engine="0",model_name="sim-8b",source="external_kv_transfer"}'
     )
     assert d.metric(external) > 0 and d.metric("simengine:kv_transfer_fallbacks_total") == 0
+
+
+needs_mooncake = pytest.mark.skipif(
+    __import__("simengine.mooncake", fromlist=["available"]).available() is not None,
+    reason="Mooncake transfer engine not installed (the `mooncake` extra and Debian libibverbs1)",
+)
+
+
+@needs_mooncake
+async def test_mooncake_handoff_moves_bytes_through_the_transfer_engine(trio):
+    """The decode engine reads the prefill engine's blocks with the real transfer engine (TCP), checks the bytes
+    the prefill side wrote, and its done signal frees the prefill side's held blocks."""
+    agg, p, d = trio("MooncakeConnector")
+    async with aiohttp.ClientSession() as s:
+        _, expected = await post(s, agg.url + "/v1/completions", BODY)
+        leg = {**BODY, "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1, "min_tokens": 1}
+        _, pre = await post(s, p.url + "/v1/completions", leg, "mc1")
+        params = pre["kv_transfer_params"]
+        blocks = len(params["remote_block_ids"][0])
+        assert blocks >= 2 and params["remote_host"] == "127.0.0.1"
+        assert p.metric("vllm:kv_cache_usage_perc") > 0  # held for the decode engine
+        status, dec = await post(s, d.url + "/v1/completions", {**BODY, "kv_transfer_params": params}, "mc1")
+        assert status == 200 and first_text(dec) == first_text(expected)
+    assert (
+        d.metric("simengine:kv_transfer_bytes_total") == blocks * 4096
+    )  # --kv-bytes-per-block, K and V halves
+    assert d.metric("simengine:kv_transfer_failures_total") == 0
+    assert d.metric("simengine:kv_transfer_fallbacks_total") == 0
+    assert p.metric("vllm:kv_cache_usage_perc") == 0  # freed by the done signal, not the 120 s expiry
+
+
+@needs_mooncake
+async def test_mooncake_failed_transfer_goes_on_like_vllm_ascend(trio):
+    """vLLM-Ascend logs a failed read and finishes the request without recomputing: no fallback, one failure."""
+    agg, p, d = trio("MooncakeConnector")
+    dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": free_port(),
+            "remote_request_id": "gone", "remote_block_ids": [[1, 2]], "remote_engine_id": "x"}  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        _, expected = await post(s, agg.url + "/v1/completions", BODY)
+        status, out = await post(s, d.url + "/v1/completions", {**BODY, "kv_transfer_params": dead}, "mc2")
+        assert status == 200 and first_text(out) == first_text(expected)
+    assert d.metric("simengine:kv_transfer_failures_total") == 1
+    assert d.metric("simengine:kv_transfer_fallbacks_total") == 0
