@@ -62,7 +62,7 @@ def build(mesh: MeshConfig) -> Coordinator:
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
     ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
-    registry = RegistryService(instances, config)
+    registry = RegistryService(instances, config, picker.ledger)
     admin = AdminService(picker, ext_proc.counters, mesh)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)

@@ -159,8 +159,12 @@ class EndpointPicker:
         # One lookup per request: the first prompt (multi-prompt completions are scored on it).
         return await self.matcher.match(request_id, request.model, request.prompts[0], ids, block_size)
 
-    def _commit(self, state: InstanceState, prefill: int, decode: int, context: int) -> Commitment:
-        return self.ledger.commit(state.info.instance_id, prefill, decode, context)
+    def _commit(
+        self, state: InstanceState, prefill: int, decode: int, context: int, counted: int
+    ) -> Commitment:
+        # `counted`: what the leg adds to the engine's prompt-token counter when its prefill is done (vLLM counts
+        # each prompt of each choice), so that the ledger can follow the engine's progress.
+        return self.ledger.commit(state.info.instance_id, prefill, decode, context, counted)
 
     async def decide(self, api: str, raw_body: bytes, request_id: str) -> Decision:
         """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503)."""
@@ -177,7 +181,11 @@ class EndpointPicker:
             facts = RequestFacts(request_id, model, isl, out)
             chosen = self.policy.pick(facts, self._candidates(states, matches))
             matched = min(chosen.match.matched_tokens, isl)
-            leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, out, isl + out), chosen.match)
+            leg = Leg(
+                chosen.state,
+                self._commit(chosen.state, isl - matched, out, isl + out, isl * request.n),
+                chosen.match,
+            )
             return Decision(request, request_id, mode, leg)
         if mode == HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
@@ -190,7 +198,7 @@ class EndpointPicker:
             )
         facts = RequestFacts(request_id, model, isl, out)
         decode = self._decode_policy.pick(facts, self._candidates(decodes, None))
-        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out))
+        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n))
         return Decision(request, request_id, mode, leg)
 
     async def pick_prefill(self, decision: Decision, exclude: set[str]) -> Leg:
@@ -208,7 +216,7 @@ class EndpointPicker:
         chosen = self.policy.pick(decision.facts, self._candidates(states, decision.matches))
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
-        return Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl), chosen.match)
+        return Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)
 
     def release(self, leg: Leg) -> bool:
         """Releases one leg's workload; True the first time only."""
