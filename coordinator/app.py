@@ -17,6 +17,7 @@ from coordinator.handoff import HandoffRunner
 from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker, TokenizerCache
+from coordinator.predicted_cache import PredictedCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
@@ -53,8 +54,10 @@ def build(mesh: MeshConfig) -> Coordinator:
     instances = InstanceTable(m.name for m in mesh.models)
     tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
     matcher = ConductorMatcher(mesh.conductor.listen, config.scheduler.match_timeout_ms / 1000)
+    ledger = WorkloadLedger()
+    predicted = PredictedCache(config.scheduler.predicted_cache_lifetime_ms / 1000)
     picker = EndpointPicker(
-        config, instances, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher
+        config, instances, ledger, config.scheduler.build(), tokenizers, matcher, predicted
     )
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
         tokenizers.get(model.name)

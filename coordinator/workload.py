@@ -112,7 +112,9 @@ class WorkloadLedger:
         self._decode[instance_id] = self._decode.get(instance_id, 0) + decode_tokens
         self._context[instance_id] = self._context.get(instance_id, 0) + context_tokens
         self._requests[instance_id] = self._requests.get(instance_id, 0) + 1
-        c = Commitment(instance_id, prefill_tokens, decode_tokens, context_tokens, prompt_tokens=prompt_tokens)
+        c = Commitment(
+            instance_id, prefill_tokens, decode_tokens, context_tokens, prompt_tokens=prompt_tokens
+        )
         c.committed_at = now
         if prompt_tokens:
             track = self._track(instance_id)

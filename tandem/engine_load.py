@@ -43,7 +43,9 @@ def parse_load(text: str) -> EngineLoad:
             elif sample.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                 usage.append(sample.value)
     load.kv_cache_usage = max(usage) if usage else 0.0
-    load.progress = {r: (prompt.get(r, 0), generation.get(r, 0)) for r in sorted(prompt.keys() | generation.keys())}
+    load.progress = {
+        r: (prompt.get(r, 0), generation.get(r, 0)) for r in sorted(prompt.keys() | generation.keys())
+    }
     return load
 
 

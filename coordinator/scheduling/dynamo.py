@@ -51,6 +51,7 @@ class Dynamo:
 
     name = TYPE
     needs_match = True
+    uses_predictions = False  # Dynamo scores on its KV-event index alone
 
     def __init__(self, params: Params = Params()) -> None:
         self.params = params

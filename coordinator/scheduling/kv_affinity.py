@@ -23,6 +23,7 @@ in-flight requests, then in turn.
 | `prefill_load_scale` | 1.0 | weight of this request's prefill cost |
 | `load_gate_topn` | 0 | score only the N least-loaded candidates (0: all) |
 | `w_npu`, `w_cpu`, `w_disk` | 1.0, 1.0, 0.0 | credit per cached block by medium |
+| `predicted_cache` | true | count prompts just routed as cached (`coordinator.predicted_cache`) |
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Params:
     w_npu: float = 1.0
     w_cpu: float = 1.0
     w_disk: float = 0.0
+    predicted_cache: bool = True
 
     def check(self) -> str | None:
         if self.overlap_credit > 1.0:
@@ -77,6 +79,7 @@ class KvAffinity:
     def __init__(self, params: Params = Params()) -> None:
         self.params = params
         self.needs_match = params.mode != "load"
+        self.uses_predictions = self.needs_match and params.predicted_cache
         self._rotation = Rotation()
 
     def cost(self, request: RequestFacts, c: Candidate) -> float:

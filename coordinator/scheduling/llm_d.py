@@ -43,6 +43,7 @@ class LlmD:
 
     name = TYPE
     needs_match = True
+    uses_predictions = False
 
     def __init__(self, params: Params = Params()) -> None:
         self.params = params

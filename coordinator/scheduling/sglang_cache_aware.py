@@ -46,6 +46,7 @@ class SglangCacheAware:
 
     name = TYPE
     needs_match = True
+    uses_predictions = False  # its own routed-prompt tree instead (see `tree`)
 
     def __init__(self, params: Params = Params()) -> None:
         self.params = params
