@@ -49,25 +49,26 @@ def caption(args, what: str) -> str:
     return (
         f"{what}: {args.trace} trace, {args.requests} requests per copy (inputs <= {args.max_input}, outputs <= "
         f"{args.max_output}), arrivals x{args.rate:g} per copy, {args.npu_blocks} NPU blocks of 16 tokens per "
-        f"engine (ascend-910b), engine load reported every {args.load_interval:g} s, seed {args.seed}. "
-        "TTFT in simulated ms."
-        + (
-            " What-if: the coordinator releases each request's prefill tokens at its first token."
-            if getattr(args, "release_prefill_at_first_token", False)
-            else ""
-        )
+        f"engine (ascend-910b), {_signal_caption(args)}, seed {args.seed}. TTFT in simulated ms."
+    )
+
+
+def _signal_caption(args) -> str:
+    every = (
+        f"every {args.load_interval:g} s"
+        if args.load_interval is not None
+        else "every 0.25 s (llm_d: 50 ms, its endpoint picker's default)"
+    )
+    if args.signal:
+        return f"engine load reported {every}, prefill leaves the ledger by signal `{args.signal}` for every policy"
+    return (
+        f"engine load and progress counters reported {every}; prefill leaves the ledger when the engines' "
+        "prompt-token counter shows it done (dynamo: at the first token, as its router does)"
     )
 
 
 def base_config(args, policy: str, params) -> FleetConfig:
-    return FleetConfig(
-        args.instances,
-        policy,
-        params,
-        engine(args),
-        args.load_interval,
-        release_prefill_at_first_token=args.release_prefill_at_first_token,
-    )
+    return FleetConfig(args.instances, policy, params, engine(args), args.load_interval, signal=args.signal)
 
 
 def workload(args) -> Workload:
@@ -114,7 +115,7 @@ def cmd_sweep(args, progress=None) -> tuple[str, dict]:
     others = {k: v for k, v in peer_results.items() if k != "kv_affinity"}
     beats = all(best.mean_ttft < r.mean_ttft and best.pct(99) < r.pct(99) for r in others.values())
     chosen = {"params": best_params, "score_s": round(score(best), 4), "beats_peers_in_sim": beats}
-    if args.write and not args.release_prefill_at_first_token:
+    if args.write and not args.signal:
         TUNED_FILE.write_text(json.dumps({**chosen, "sweep": caption(args, "sweep")}, indent=1) + "\n")
     grid_keys = "; ".join(
         f"mode {m}: `load_weight` in {w}, `load_gate_topn` in {g}" for m, w, g in SWEEP_GRID
@@ -198,7 +199,7 @@ def cmd_validate(args, progress=None) -> tuple[str, float]:
         if progress is not None:
             progress(1)
     load_after = os.getloadavg()[0]
-    load_interval = 0.5 * args.speedup
+    load_interval = 0.25 * args.speedup  # the node agents' load_interval_s, in simulated seconds
     fleet = {}
     for label in args.rows:
         policy, params = POLICY_ROWS[label]
@@ -283,14 +284,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--npu-blocks", type=int, default=16384)
     p.add_argument("--max-input", type=int, default=8192)
     p.add_argument("--max-output", type=int, default=64)
-    p.add_argument("--load-interval", type=float, default=5.0, help="engine load report period, simulated s")
+    p.add_argument(
+        "--load-interval",
+        type=float,
+        default=None,
+        help="engine load and progress report period, simulated s (default: 0.25, llm_d 0.05)",
+    )
     p.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
     p.add_argument(
-        "--release-prefill-at-first-token",
-        action="store_true",
-        help="what-if: the coordinator releases a request's prefill tokens at its first token",
+        "--signal",
+        choices=["counter", "first_token", "end"],
+        default=None,
+        help="how prefill leaves the ledger, for every policy (default: each policy's real system's)",
     )
 
 
@@ -340,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        suffix = "-whatif" if args.release_prefill_at_first_token else ""
+        suffix = f"-{args.signal}" if args.signal else ""
         (out / f"fleet-{args.cmd}{suffix}.md").write_text(text + "\n")
         if args.cmd == "scale":
             plot_scale(rows, out / "fleet-scale.png")
