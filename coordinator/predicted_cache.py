@@ -23,8 +23,10 @@ import collections
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from coordinator.scheduling.interface import NO_MATCH, KvMatch
+if TYPE_CHECKING:  # imported at run time inside `overlay`: the scheduling package imports this module
+    from coordinator.scheduling.interface import KvMatch
 
 
 class PredictedCache:
@@ -42,7 +44,8 @@ class PredictedCache:
         self.clock = clock
         self.max_entries = max_entries
         self._holders: dict[int, dict[str, float]] = {}  # chain hash -> instance id -> expiry
-        self._order: collections.deque[tuple[float, int, str]] = collections.deque()  # insertion order
+        self._order: collections.deque[tuple[float, Sequence[int], str]] = collections.deque()  # by expiry
+        self._entries = 0  # hashes recorded in `_order`
 
     def __len__(self) -> int:
         return sum(len(h) for h in self._holders.values())
@@ -53,23 +56,28 @@ class PredictedCache:
             return
         now = self.clock()
         expiry = now + self.lifetime_s
+        holders_of = self._holders
         for h in hashes:
-            holders = self._holders.get(h)
+            holders = holders_of.get(h)
             if holders is None:
-                holders = self._holders[h] = {}
-            holders[instance_id] = expiry
-            self._order.append((expiry, h, instance_id))
+                holders_of[h] = {instance_id: expiry}
+            else:
+                holders[instance_id] = expiry
+        self._order.append((expiry, hashes, instance_id))
+        self._entries += len(hashes)
         self._trim(now)
 
     def _trim(self, now: float) -> None:
-        order = self._order
-        while order and (order[0][0] <= now or len(order) > self.max_entries):
-            expiry, h, iid = order.popleft()
-            holders = self._holders.get(h)
-            if holders is not None and holders.get(iid) == expiry:  # not refreshed since
-                del holders[iid]
-                if not holders:
-                    del self._holders[h]
+        order, holders_of = self._order, self._holders
+        while order and (order[0][0] <= now or self._entries > self.max_entries):
+            expiry, hashes, iid = order.popleft()
+            self._entries -= len(hashes)
+            for h in hashes:
+                holders = holders_of.get(h)
+                if holders is not None and holders.get(iid) == expiry:  # not refreshed since
+                    del holders[iid]
+                    if not holders:
+                        del holders_of[h]
 
     def blocks(self, hashes: Sequence[int], candidates: Iterable[str] | None = None) -> dict[str, int]:
         """Per instance, how many leading blocks of the prompt it is predicted to hold (instances with none
@@ -116,6 +124,8 @@ class PredictedCache:
     ) -> dict[str, KvMatch]:
         """The conductor's facts (`matches`, None when it gave none) with predictions merged in; confirms the
         predictions the facts cover."""
+        from coordinator.scheduling.interface import NO_MATCH, KvMatch
+
         merged = dict(matches or {})
         if not self._holders or not hashes:
             return merged

@@ -304,11 +304,12 @@ class Fleet:
 
         def settle(req: Request, entry: list, started: bool | None) -> None:
             nonlocal pending, last
-            commitment, a, inst, measured, open_ = entry
+            commitment, a, inst, measured, open_, ledger = entry[:6]
             iid = inst.state.info.instance_id
             if open_:
                 self._true_prefill[iid] -= commitment.prefill_tokens
-            self.ledger.release(commitment, started=started)
+            if ledger is not None:  # None: the coordinator that committed it restarted since
+                ledger.release(commitment, started=started)
             del live[id(req)]
             last = self.now
             pending -= 1
@@ -327,7 +328,7 @@ class Fleet:
                     entry = live.get(id(req))
                     if entry is None:
                         continue
-                    commitment, a, _, measured, open_ = entry
+                    commitment, a, _, measured, open_, ledger = entry[:6]
                     if len(req.output_token_ids) == 1:
                         inst.prompt_counter += len(req.prompt_token_ids)
                         if measured:
@@ -337,8 +338,8 @@ class Fleet:
                         if open_:
                             entry[4] = False
                             self._true_prefill[inst.state.info.instance_id] -= commitment.prefill_tokens
-                        if signal == "first_token":
-                            self.ledger.prefill_done(commitment)
+                        if signal == "first_token" and ledger is not None:
+                            ledger.prefill_done(commitment)
                     inst.generation_counter += 1
                     if req.is_finished:
                         if measured:
@@ -376,7 +377,7 @@ class Fleet:
                     SamplingParams(max_tokens=a.output_len, ignore_eos=True, seed_key=a.key),
                     arrival_time=a.at_s,
                 )
-                live[id(req)] = [commitment, a, inst, ordinal > cfg.warmup, True]
+                live[id(req)] = [commitment, a, inst, ordinal > cfg.warmup, True, self.ledger, req]
                 if faults.abort_share and aborts.random() < faults.abort_share:
                     push(now + aborts.uniform(0.0, faults.abort_within_s), _FAULT, ("abort", req))
                 delay = cfg.route_delay_s + (
@@ -412,16 +413,10 @@ class Fleet:
                 elif what == "engine":
                     old = self.instances[arg]
                     old.dead = True
-                    for key, entry in list(live.items()):
+                    for entry in list(live.values()):
                         if entry[2] is old:
-                            commitment, a, _, measured, open_ = entry
-                            if open_:
-                                self._true_prefill[old.state.info.instance_id] -= commitment.prefill_tokens
-                            self.ledger.release(commitment)
-                            del live[key]
-                            pending -= 1
-                            if progress is not None:
-                                progress(1)
+                            # Its requests fail: the coordinator learns that they ended.
+                            settle(entry[6], entry, None)
                     fresh = self._instance(arg)
                     fresh.state = old.state  # same registration; counters start again from zero
                     if self.index is not None:
@@ -429,7 +424,7 @@ class Fleet:
                     self.instances[arg] = fresh
                 else:  # coordinator restart: in-flight commitments are lost with the old process
                     for entry in live.values():
-                        entry[0] = _ORPHAN_LEDGER.commit("orphan", 0, 0)
+                        entry[5] = None
                     self.ledger = self._ledger()
                     self.predicted = self._predicted()
         self._close_window(last + self._window_s)
@@ -451,8 +446,6 @@ class Fleet:
                 push(now + dt, _STEP_END, inst)
 
 
-#: Commitments of a coordinator that restarted are released into a ledger nobody reads.
-_ORPHAN_LEDGER = WorkloadLedger()
 _CLEARED = kv_events.AllBlocksCleared()
 
 
