@@ -192,7 +192,7 @@ class Fleet:
 
     def _ledger(self) -> WorkloadLedger:
         ledger = WorkloadLedger(self._clock)
-        if self.cfg.prefill_rate_tokens_per_s:
+        if self.cfg.prefill_rate_tokens_per_s and self.cfg.effective_signal == "counter":
             for inst in self.instances:
                 ledger.set_prefill_rate(inst.state.info.instance_id, self.cfg.prefill_rate_tokens_per_s)
         return ledger
