@@ -39,17 +39,16 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "fleet-sweep.md",
     ),
     (
-        "whatif",
-        "What-if in the simulator: prefill tokens released at the first token",
-        [
-            "bench.fleet",
-            "sweep",
-            "--release-prefill-at-first-token",
-            "--no-write",
-            "--output-dir",
-            "{out}",
-        ],
-        "fleet-sweep-whatif.md",
+        "signal",
+        "The load signal: ledger prefill against the true queued prefill, and its drift",
+        ["bench.fleet", "signal", "--output-dir", "{out}"],
+        "fleet-signal.md",
+    ),
+    (
+        "routing",
+        "Routing quality per workload: every policy, two loads, 4 and 16 instances, 3 seeds",
+        ["bench.fleet", "routing", "--output-dir", "{out}"],
+        "fleet-routing.md",
     ),
     (
         "policies",

@@ -35,7 +35,7 @@ class SchedulerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: str = "least_load"
+    policy: str = "kv_affinity"
     """The policy in use: a built-in type (`round_robin`, `least_load`, `kv_affinity`, ...) or a `policies` name."""
     kv_affinity: dict[str, Any] = {}
     """Parameters of the built-in `kv_affinity` (see `coordinator/scheduling/kv_affinity.py`)."""

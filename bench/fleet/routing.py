@@ -203,6 +203,8 @@ def table(cells: Sequence[CellResult], slo_s: float = 3.0) -> str:
 def _short(workload: str) -> str:
     if workload.endswith("_trace.jsonl"):
         return "mooncake " + workload.rsplit("/", 1)[-1].removesuffix("_trace.jsonl")
+    if workload in ("conversation", "synthetic"):
+        return f"mooncake {workload}"
     return workload
 
 
