@@ -122,15 +122,19 @@ def generate(name: str, requests: int, seed: int) -> list[dict]:
     return gen(requests, seed)
 
 
-def ideal_hit_rate(prompts: Iterable[list[int]], block_size: int = 16, warmup: int = 0) -> float:
+def ideal_hit_rate(prompts: Iterable, block_size: int = 16, warmup: int = 0) -> float:
     """Prompt tokens found in one infinite cache (every earlier prompt's full blocks, chain-hashed), over all
-    prompt tokens, counting only prompts after the first `warmup` (which still fill the cache)."""
+    prompt tokens, counting only prompts after the first `warmup` (which still fill the cache). `prompts` holds
+    token lists, or (length, chain hashes) pairs already computed."""
     from tandem.chain_hash import chain_hashes
 
     seen: set[int] = set()
     hit = total = 0
     for i, prompt in enumerate(prompts):
-        hashes = chain_hashes(prompt, block_size)
+        if isinstance(prompt, tuple):
+            length, hashes = prompt
+        else:
+            length, hashes = len(prompt), chain_hashes(prompt, block_size)
         n = 0
         for h in hashes:
             if h not in seen:
@@ -138,7 +142,7 @@ def ideal_hit_rate(prompts: Iterable[list[int]], block_size: int = 16, warmup: i
             n += 1
         if i >= warmup:
             # As an engine: at least the last token is computed (a fully cached prompt recomputes one block).
-            hit += min(n * block_size, (len(prompt) - 1) // block_size * block_size)
-            total += len(prompt)
+            hit += min(n * block_size, (length - 1) // block_size * block_size)
+            total += length
         seen.update(hashes)
     return hit / total if total else float("nan")

@@ -321,17 +321,17 @@ def cmd_routing(args, progress=None) -> tuple[str, list]:
     """The routing-quality table: every policy per workload, fleet size, load level and seed."""
     from bench.fleet.routing import ROUTING_ROWS, Cell, run_cells, table
 
-    cells = [
-        Cell(w, n, load, seed)
-        for w in args.workloads
-        for n in args.sizes
-        for load in args.loads
-        for seed in args.seeds
-    ]
-    results = run_cells(
-        cells, ROUTING_ROWS, args.warm, args.warmup, engine(args), _token_ids(), args.max_input, args.max_output,
-        args.workers, progress,
-    )  # fmt: skip
+    out_dir = Path(args.output_dir) if args.output_dir else None
+    results = []
+    for w in args.workloads:  # one workload at a time, the table rewritten after each (long runs)
+        cells = [Cell(w, n, load, seed) for n in args.sizes for load in args.loads for seed in args.seeds]
+        results += run_cells(
+            cells, ROUTING_ROWS, args.warm, args.warmup, engine(args), _token_ids(), args.max_input,
+            args.max_output, args.workers, progress,
+        )  # fmt: skip
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "fleet-routing.partial.md").write_text(table(results) + "\n")
     head = (
         f"Routing quality in the fleet simulator: {args.warm} measured requests per run after {args.warmup} that "
         f"warm the caches; seeds {', '.join(map(str, args.seeds))} (Mooncake traces: successive windows of the "

@@ -42,22 +42,19 @@ def prefill_rate(engine: EngineSpec) -> float:
     return n / PROFILES[engine.profile].step_s([(n, 0)], 0, 0)
 
 
-def round_robin_prefill(arr: Sequence[Arrival], prompts: PromptSource, instances: int, block: int) -> int:
-    """Prompt tokens round robin leaves to compute, with an unbounded cache per instance."""
-    from tandem.chain_hash import chain_hashes
-
+def round_robin_prefill(hashed: Sequence[tuple[int, list[int]]], instances: int, block: int) -> int:
+    """Prompt tokens round robin leaves to compute, with an unbounded cache per instance; `hashed` holds each
+    prompt's (length, chain hashes) in arrival order."""
     caches: list[set[int]] = [set() for _ in range(instances)]
     total = 0
-    for i, a in enumerate(arr):
-        tokens = prompts.tokens(a)
-        hashes = chain_hashes(tokens, block)
+    for i, (length, hashes) in enumerate(hashed):
         cache = caches[i % instances]
         n = 0
         for h in hashes:
             if h not in cache:
                 break
             n += 1
-        total += len(tokens) - min(n * block, (len(tokens) - 1) // block * block)
+        total += length - min(n * block, (length - 1) // block * block)
         cache.update(hashes)
     return total
 
@@ -91,18 +88,30 @@ def cell_arrivals(
 ) -> tuple[list[Arrival], float, float]:
     """The cell's arrivals at its load level, the rate scale used, and the workload's ideal hit rate."""
     from bench.workloads import GENERATORS, ideal_hit_rate
+    from tandem.chain_hash import chain_hashes
 
     n = warm + warmup
     skip = 0 if cell.workload in GENERATORS else cell.seed * n  # a trace: seeds take successive windows
     rows = load_rows(cell.workload, n, max_input, max_output, seed=cell.seed, skip=skip)
     base = arrivals(rows, 1.0)
     prompts = PromptSource(word_ids, cell.seed)
-    demand = round_robin_prefill(base, prompts, cell.instances, engine.block_size)
+    hashed = []
+    for a in base:
+        tokens = prompts.tokens(a)
+        hashed.append((len(tokens), chain_hashes(tokens, engine.block_size)))
+    demand = round_robin_prefill(hashed, cell.instances, engine.block_size)
     span = base[-1].at_s - base[0].at_s
     capacity = cell.load * cell.instances * prefill_rate(engine)
     scale = capacity * span / demand if demand else 1.0
-    ideal = ideal_hit_rate((prompts.tokens(a) for a in base), engine.block_size, warmup)
+    ideal = ideal_hit_rate(hashed, engine.block_size, warmup)
     return arrivals(rows, scale), scale, ideal
+
+
+def _prepare(job) -> tuple[list[Arrival], float, float]:
+    cell, warm, warmup, engine, max_input, max_output = job
+    from bench.fleet.runs import _token_ids
+
+    return cell_arrivals(cell, warm, warmup, engine, _token_ids(), max_input, max_output)
 
 
 def verdict(cell_rows: Mapping[str, tuple[float, float]], reuse_heavy: bool) -> str:
@@ -136,8 +145,8 @@ def run_cells(
     """Every row on every cell."""
     out: list[CellResult] = []
     jobs = []
-    for cell in cells:
-        arr, scale, ideal = cell_arrivals(cell, warm, warmup, engine, word_ids, max_input, max_output)
+    prepared = _prepare_all(cells, warm, warmup, engine, max_input, max_output, workers)
+    for cell, (arr, scale, ideal) in zip(cells, prepared, strict=True):
         out.append(CellResult(cell, scale, ideal))
         for label, (policy, params) in rows.items():
             cfg = replace(
@@ -154,6 +163,18 @@ def run_cells(
     for (i, label, _), r in zip(jobs, results, strict=True):
         out[i].results[label] = r
     return out
+
+
+def _prepare_all(cells, warm, warmup, engine, max_input, max_output, workers):
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(c, warm, warmup, engine, max_input, max_output) for c in cells]
+    workers = workers or os.cpu_count() or 1
+    if workers == 1 or len(jobs) == 1:
+        return [_prepare(j) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_prepare, jobs))
 
 
 @dataclass(frozen=True)
