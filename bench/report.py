@@ -28,10 +28,19 @@ under test, so requests/s is capped by the client; compare rows, not absolute fi
 below (4 engines, first 300 conversation requests, arrivals x1.25). It ranks kv_affinity parameter sets by mean
 plus p99 TTFT and writes the best to `bench/tuned_kv_affinity.json`, which the replay below and the scale table
 use as `kv_affinity_tuned`. Peer policies are shown with their defaults on the same load.""",
-    "whatif": """The same sweep with one change to the simulated coordinator: a request's prefill tokens leave the
-workload ledger when its first token appears, instead of when the response ends (the real coordinator does not
-learn of the first token today). The load signal of `least_load` and `kv_affinity` then counts only prefill work
-still queued, which is what TTFT depends on.""",
+    "signal": """How each way of learning that a request's prefill is done follows the true queued prefill
+(the committed prefill of requests routed to an instance that have no first token yet), sampled at every decision
+on every instance, in the fleet simulator with the ledger's own code (`coordinator/workload.py`). "Engine
+counters" is Tandem's signal: vLLM's `vllm:prompt_tokens_total` and `vllm:generation_tokens_total` relayed by the
+node agent, applied by `WorkloadLedger.engine_progress`. The drift run replays 30 simulated minutes with client
+aborts, an engine restart and a coordinator restart.""",
+    "routing": """The routing-quality table: every policy on the same arrivals in the fleet simulator (the real
+policy, index, ledger and engine-model objects), per workload, fleet size (4 and 16 instances, one population each)
+and load level (60% and 90% of round robin's prefill capacity), over 3 seeds. Peers use their real systems' load
+signals (Dynamo: exact first-token release; llm-d: metrics every 50 ms; SGLang: its own tree of routed prompts).
+The real peer routers (`sglang-router`, `vllm-router`) run only in the real-time replay below (Mooncake
+conversation trace, 4 engines): they cannot be put inside the simulator. The goal column holds for the kv_affinity
+row.""",
     "policies": """Every row is a fresh mesh with the same 4 engines (empty caches) and the same seeded trace: the
 Mooncake conversation trace, token ids synthesised per 512-token hash id (as whole-word tokens, so the prompt is
 sent as text and tokenizes back to exactly those ids: `sglang-router` takes text prompts only), prompts capped
