@@ -62,6 +62,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         if self.ledger is not None:
             # A (re)started engine or a restarted agent: the next report of its counters is a new baseline.
             self.ledger.forget_progress(info.instance_id)
+            self.ledger.set_prefill_rate(info.instance_id, self.config.scheduler.prefill_rate_tokens_per_s)
         publish_instance_counts(self.instances)
         log.info(
             "registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address}
