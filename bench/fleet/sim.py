@@ -106,8 +106,11 @@ class FleetResult:
     output_tokens: int = 0
     rejected: int = 0  # longer than the engines' max_model_len (an HTTP 400 from a real engine)
     makespan_s: float = 0.0  # first arrival to last finish
-    queries: int = 0  # prompt tokens of measured (warm) requests
-    hits: int = 0  # of which found in the engine's prefix cache (as vllm:prefix_cache_hits_total counts them)
+    #: Prompt tokens of measured requests and those found in the engine's prefix cache; without warm-up, the
+    #: engines' own counters (`vllm:prefix_cache_queries_total` / `hits_total`, which count a re-scheduled request
+    #: again).
+    queries: int = 0
+    hits: int = 0
     signal_samples: int = (
         0  # (decision, instance) pairs where the ledger's prefill was compared with the truth
     )
@@ -428,6 +431,9 @@ class Fleet:
                     self.ledger = self._ledger()
                     self.predicted = self._predicted()
         self._close_window(last + self._window_s)
+        if not cfg.warmup:  # every request measured: the engines' own counters, as vLLM's /metrics has them
+            r.queries = sum(inst.kv.queries for inst in self.instances)
+            r.hits = sum(inst.kv.hits for inst in self.instances)
         for inst in self.instances:
             r.preemptions += inst.scheduler.num_preemptions
             r.steps += inst.steps
