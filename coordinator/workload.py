@@ -26,8 +26,11 @@ Robustness: a counter that goes down (engine restart) counts from zero again, an
 previous report are taken as lost with the old process (their prefill leaves; their release still comes from their
 completion). The first report of an instance (new instance, coordinator restart) only sets the baseline. A
 commitment released before the counter accounted for it stays in the routing-order queue, as a marker, for
-`marker_lifetime_s` (its first token may still be counted in the next report), unless its release says that it never
-started (then it leaves at once). Whatever the signal does, every commitment's remainder leaves at its release, so
+`marker_lifetime_s` (0.5 s: two reports of the node agent; its first token may still be counted in the next
+report), unless its release says that it never started (then it leaves at once). The lifetime is short on purpose:
+a request cut by its client before its first token is never counted, and while its marker waits at the head of
+the queue it absorbs the count of the request behind it (measured: with 5% of requests cut, a 2 s lifetime left
+the ledger at 2.5x the true queued prefill, 0.5 s at 1.2x, against 1.16x without cuts). Whatever the signal does, every commitment's remainder leaves at its release, so
 the ledger cannot drift: it returns to zero whenever nothing is in flight.
 """
 
@@ -74,7 +77,7 @@ class _Progress:
 class WorkloadLedger:
     """Tokens and requests in flight per instance. Counters return to zero when every commitment is released."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, marker_lifetime_s: float = 2.0) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, marker_lifetime_s: float = 0.5) -> None:
         self.clock = clock
         self.marker_lifetime_s = marker_lifetime_s
         self._prefill: dict[str, int] = {}
