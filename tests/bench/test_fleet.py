@@ -122,3 +122,12 @@ def test_signal_survives_aborts_engine_and_coordinator_restarts(word_ids):
     r = _signal_run(word_ids, "counter", faults)
     assert r.residual_tokens == 0 and r.residual_requests == 0
     assert r.signal_error < 0.5
+
+
+def test_peers_use_their_real_systems_signals():
+    # Dynamo's router releases prefill at the first token; llm-d's picker refreshes metrics every 50 ms.
+    assert FleetConfig(policy="dynamo").effective_signal == "first_token"
+    assert FleetConfig(policy="llm_d").effective_load_interval_s == 0.05
+    tandem = FleetConfig(policy="kv_affinity")
+    assert (tandem.effective_signal, tandem.effective_load_interval_s) == ("counter", 0.25)
+    assert FleetConfig(policy="dynamo", signal="counter").effective_signal == "counter"
