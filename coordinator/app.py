@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from coordinator import mesh_health, metrics
 from coordinator.attempts import AttemptRegistry
+from coordinator.config import MeshView
 from coordinator.config_watch import watch_config
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
@@ -21,7 +23,6 @@ from coordinator.predicted_cache import PredictedCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
-from tandem.config import MeshConfig
 from tandem.grpc_server import GrpcApp
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import (  # noqa: F401 - conductor_pb2 and node_agent_pb2 put their descriptors in reflection's pool
@@ -48,7 +49,7 @@ class Coordinator:
     matcher: ConductorMatcher
 
 
-def build(mesh: MeshConfig) -> Coordinator:
+def build(mesh: MeshView) -> Coordinator:
     """The coordinator's gRPC app, ready to run."""
     config = mesh.coordinator
     instances = InstanceTable(m.name for m in mesh.models)
@@ -90,8 +91,8 @@ async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
             publish_instance_counts(picker.instances)
 
 
-async def run(mesh: MeshConfig) -> None:
-    """Serves until SIGTERM."""
+async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -> None:
+    """Serves until SIGTERM; `reload(path)` re-reads the mesh file when it changes (scheduler hot reload)."""
     c = build(mesh)
     tasks: list[asyncio.Task] = []
 
@@ -100,8 +101,8 @@ async def run(mesh: MeshConfig) -> None:
         tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.heartbeat_interval_s)))
         tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
-        if mesh.path:
-            tasks.append(asyncio.create_task(watch_config(mesh, c.picker, c.matcher)))
+        if mesh.path and reload is not None:
+            tasks.append(asyncio.create_task(watch_config(mesh, reload, c.picker, c.matcher)))
 
     async def cancel_tasks() -> None:
         for task in tasks:

@@ -133,8 +133,8 @@ class ConductorMatcher:
         if reply is None:
             metrics.MATCH_FALLBACKS.labels("unavailable").inc()
             return None
-        return {inst.instance_id: best_rank_match(inst) for inst in reply.instances if _has_best(inst)}
-
-
-def _has_best(inst) -> bool:
-    return any(r.dp_rank == inst.best_dp_rank for r in inst.ranks)
+        return {
+            inst.instance_id: match
+            for inst in reply.instances
+            if (match := best_rank_match(inst)) is not NO_MATCH
+        }

@@ -5,69 +5,47 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-import pytest
-
-from bench.harness import free_ports
-from conductor.app import SERVICE_NAME, Conductor
-from conductor.config import ConductorConfig
+from conductor.app import SERVICE_NAME
 from coordinator import metrics
 from coordinator.kv_match import ConductorMatcher
 from coordinator.scheduling import KvMatch
 from tandem.grpc_server import GrpcApp
 from tandem.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from tests.conductor.test_service import BS, PROMPT, batch, stored
+from tests.helpers import block_stored, eventually, free_port, ingest_batch
+
+BS = 4
+PROMPT = list(range(500, 532))  # 8 blocks
 
 
 def fallbacks(reason: str) -> float:
     return metrics.MATCH_FALLBACKS.labels(reason)._value.get()
 
 
-@pytest.fixture
-async def conductor_address(monkeypatch):
-    monkeypatch.setenv("TANDEM_NO_BANNER", "1")
-    conductor = Conductor(ConductorConfig())
-    app = GrpcApp("conductor", listen="127.0.0.1:0")
-    app.add_service(SERVICE_NAME, lambda s, srv: conductor.add_to(srv), conductor.service)
-    await app.start()
-    await conductor.start()
-    yield f"127.0.0.1:{app.bound_port}"
-    await conductor.stop()
-    await app.server.stop(0)
+async def ingest(server, *requests) -> None:
+    """Feeds `requests` on one Ingest stream and waits until the index shows their blocks."""
+
+    async def feed():
+        for r in requests:
+            yield r
+
+    async for _ in server.stub.Ingest(feed()):
+        pass
+    await server.wait_stats(lambda s: s.events_total == sum(len(r.batch.events) for r in requests))
 
 
-async def ingest(address: str, *requests) -> None:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = conductor_pb2_grpc.ConductorStub(channel)
-
-        async def feed():
-            for r in requests:
-                yield r
-
-        call = stub.Ingest(feed())
-        async for _ in call:
-            pass
-        for _ in range(50):  # the index applies batches as they arrive; wait until the stats show them
-            stats = await stub.GetIndexStats(conductor_pb2.GetIndexStatsRequest())
-            if stats.npu_blocks + stats.cpu_blocks:
-                return
-            await asyncio.sleep(0.05)
-
-
-async def test_match_reports_per_medium_hits_of_the_best_rank(conductor_address):
+async def test_match_reports_per_medium_hits_of_the_best_rank(conductor_server):
     hashes = list(range(1, 9))
     await ingest(
-        conductor_address,
-        batch("i0", 1, [stored(hashes[:5], None, PROMPT[: 5 * BS])]),
-        batch("i0", 2, [stored(hashes[5:7], 5, PROMPT[5 * BS : 7 * BS], medium=common_pb2.MEDIUM_CPU)]),
-        batch("i1", 1, [stored(hashes[:2], None, PROMPT[: 2 * BS])]),
+        conductor_server,
+        ingest_batch("i0", 1, [block_stored(hashes[:5], None, PROMPT[: 5 * BS])]),
+        ingest_batch(
+            "i0", 2, [block_stored(hashes[5:7], 5, PROMPT[5 * BS : 7 * BS], medium=common_pb2.MEDIUM_CPU)]
+        ),
+        ingest_batch("i1", 1, [block_stored(hashes[:2], None, PROMPT[: 2 * BS])]),
     )
-    matcher = ConductorMatcher(conductor_address, timeout_s=2.0)
+    matcher = ConductorMatcher(conductor_server.address, timeout_s=2.0)
     matcher.start()
-    for _ in range(100):
-        if matcher.connected:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: matcher.connected, 5, "the Match stream")
     hits = await matcher.match("r1", "m", PROMPT, ["i0", "i1", "i2"])
     by_hashes = await matcher.match("r2", "m", PROMPT, ["i0", "i1", "i2"], block_size=BS)
     await matcher.close()
@@ -78,8 +56,7 @@ async def test_match_reports_per_medium_hits_of_the_best_rank(conductor_address)
 
 
 async def test_conductor_down_falls_back_at_once_and_counts():
-    (port,) = free_ports(1)
-    matcher = ConductorMatcher(f"127.0.0.1:{port}", timeout_s=2.0)
+    matcher = ConductorMatcher(f"127.0.0.1:{free_port()}", timeout_s=2.0)
     matcher.start()
     before = fallbacks("unavailable")
     assert await asyncio.wait_for(matcher.match("r", "m", [1, 2, 3], ["i0"]), 0.5) is None
@@ -114,14 +91,6 @@ class ReversingConductor(conductor_pb2_grpc.ConductorServicer):
                 held = []
 
 
-async def connected(matcher: ConductorMatcher) -> None:
-    for _ in range(250):
-        if matcher.connected:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("match stream did not open")
-
-
 async def test_answers_are_paired_by_request_id_not_by_position():
     fake = ReversingConductor()
     app = GrpcApp("fake-conductor", listen="127.0.0.1:0")
@@ -130,7 +99,7 @@ async def test_answers_are_paired_by_request_id_not_by_position():
     matcher = ConductorMatcher(f"127.0.0.1:{app.bound_port}", timeout_s=5.0)
     matcher.start()
     try:
-        await connected(matcher)
+        await eventually(lambda: matcher.connected, 5, "the Match stream")
         first = asyncio.create_task(matcher.match("a", "m", PROMPT, ["i-a"]))
         # A client reusing a request id still waiting gets a distinct id on the wire.
         second = asyncio.create_task(matcher.match("a", "m", PROMPT, ["i-b"]))
@@ -138,26 +107,24 @@ async def test_answers_are_paired_by_request_id_not_by_position():
         assert list(a) == ["i-a"] and list(b) == ["i-b"]
         assert len({r.request_id for r in fake.seen}) == 2
         # Every request carries the deadline the matcher itself waits for.
-        for r in fake.seen:
-            assert r.HasField("deadline")
+        assert all(r.HasField("deadline") for r in fake.seen)
     finally:
         await matcher.close()
         await app.server.stop(0)
 
 
-async def test_conductor_drops_requests_past_their_deadline(conductor_address):
-    await ingest(conductor_address, batch("i0", 1, [stored([1, 2], None, PROMPT[: 2 * BS])]))
+async def test_conductor_drops_requests_past_their_deadline(conductor_server):
+    await ingest(conductor_server, ingest_batch("i0", 1, [block_stored([1, 2], None, PROMPT[: 2 * BS])]))
     expired = conductor_pb2.MatchRequest(request_id="late", model="m", token_ids=PROMPT)
     expired.deadline.FromSeconds(1)  # long past
     fresh = conductor_pb2.MatchRequest(request_id="fresh", model="m", token_ids=PROMPT)
     fresh.deadline.FromNanoseconds(int((time.time() + 30) * 1e9))
     open_ended = conductor_pb2.MatchRequest(request_id="none", model="m", token_ids=PROMPT)
-    async with grpc.aio.insecure_channel(conductor_address) as channel:
-        stub = conductor_pb2_grpc.ConductorStub(channel)
 
-        async def feed():
-            for r in (expired, fresh, open_ended):
-                yield r
+    async def feed():
+        for r in (expired, fresh, open_ended):
+            yield r
 
-        answered = [reply.request_id async for reply in stub.Match(feed())]
+    answered = [reply.request_id async for reply in conductor_server.stub.Match(feed())]
     assert answered == ["fresh", "none"]
+    assert conductor_server.conductor.service.expired_matches == 1

@@ -11,10 +11,8 @@ import subprocess
 import httpx
 import pytest
 
-from bench.harness import mesh_config
 from tandem.tokenizer import load_tokenizer
-from tests.e2e.mesh import RunningMesh, metric_sum, processes_mentioning
-from tests.e2e.test_mesh import GRPCURL
+from tests.helpers import GRPCURL, RunningMesh, mesh_config, metric_sum, processes_mentioning
 
 SHARED = "You are a careful assistant. " + " ".join(f"rule{i} applies" for i in range(120))
 
@@ -107,7 +105,7 @@ def conductor_pids(mesh) -> list[int]:
     return [
         p
         for p in processes_mentioning(str(mesh.config_path))
-        if b"-m\0conductor" in open(f"/proc/{p}/cmdline", "rb").read()
+        if b"-m\0mesh\0conductor" in open(f"/proc/{p}/cmdline", "rb").read()
     ]
 
 

@@ -3,14 +3,11 @@ its prefill done, while the request still streams and the rest of its workload s
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
-from bench.harness import mesh_config
 from tandem.v1 import admin_pb2
-from tests.e2e.mesh import RunningMesh
+from tests.helpers import RunningMesh, mesh_config, wait_until
 
 # ~2,000 prompt tokens and 300 output tokens at simulated real speed (ITL ~16 ms): the stream lasts seconds.
 PROMPT = " ".join(f"word{i % 97}" for i in range(2000))
@@ -42,21 +39,17 @@ def test_prefill_leaves_while_the_stream_still_decodes(mesh):
         lines = reply.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert first != "data: [DONE]"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+
+        def prefill_left() -> admin_pb2.InstanceWorkload | None:
             s = stats(mesh)
             assert s.inflight_requests == 1, "the stream's workload must stay committed while it runs"
-            if s.prefill_tokens == 0:
-                seen_prefill_done = s
-                break
-            time.sleep(0.05)
+            return s if s.prefill_tokens == 0 else None
+
+        seen_prefill_done = wait_until(prefill_left, 10, "prefill left the ledger during the stream")
         rest = [line for line in lines if line.startswith("data: ")]
-    assert seen_prefill_done is not None, "prefill never left the ledger during the stream"
     assert seen_prefill_done.decode_tokens > 0  # decode still committed (what is left of it)
     assert seen_prefill_done.decode_tokens < 300  # generated tokens left the ledger as well
     assert rest and rest[-1] == "data: [DONE]" and len(rest) > 10  # it was still streaming
-    deadline = time.monotonic() + 10
-    while stats(mesh).inflight_requests and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: stats(mesh).inflight_requests == 0, 10, "the request released")
     final = stats(mesh)
     assert (final.inflight_requests, final.prefill_tokens, final.decode_tokens) == (0, 0, 0)

@@ -9,15 +9,13 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from bench.harness import free_ports
 from node_agent.systemd import SystemdNotify
+from tests.helpers import ROOT, free_ports
 
-ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "tandem-agent.service"
 
 
@@ -95,7 +93,7 @@ def test_agent_sends_ready_then_watchdog(tmp_path):
     env = {**os.environ, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "300000", "TANDEM_NO_BANNER": "1"}
     env.pop("WATCHDOG_PID", None)
     agent = subprocess.Popen(
-        [sys.executable, "-m", "node_agent", "--config", str(config)], env=env, cwd=ROOT,
+        [sys.executable, "-m", "mesh", "agent", "--config", str(config)], env=env, cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

@@ -4,8 +4,6 @@ decodes."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.openai_request import understand
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import admin_pb2
+from tests.helpers import wait_until
 from tests.vllm.conftest import MODEL, MODEL_NAME, real_mesh, start
 
 
@@ -66,23 +65,20 @@ def test_ledger_takes_prefill_off_while_the_stream_decodes(mesh):
         "max_tokens": 120,
         "stream": True,
     }
-    seen = None
     with httpx.stream("POST", mesh.http + "/v1/completions", json=body, timeout=120) as reply:
         lines = reply.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            (s,) = mesh.admin().GetStats(admin_pb2.GetStatsRequest(), timeout=5).instances
-            if s.inflight_requests == 1 and s.prefill_tokens == 0:
-                seen = s
-                break
-            time.sleep(0.05)
+        seen = wait_until(
+            lambda: (s := stats(mesh)).inflight_requests == 1 and s.prefill_tokens == 0 and s,
+            30,
+            "prefill off the ledger while the stream runs",
+        )
         rest = [line for line in lines if line.startswith("data: ")]
-    assert seen is not None and rest[-1] == "data: [DONE]"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        (s,) = mesh.admin().GetStats(admin_pb2.GetStatsRequest(), timeout=5).instances
-        if s.inflight_requests == 0:
-            break
-        time.sleep(0.05)
-    assert (s.inflight_requests, s.prefill_tokens, s.decode_tokens) == (0, 0, 0)
+    assert seen and rest[-1] == "data: [DONE]"
+    final = wait_until(lambda: (s := stats(mesh)).inflight_requests == 0 and s, 10, "the request released")
+    assert (final.prefill_tokens, final.decode_tokens) == (0, 0)
+
+
+def stats(mesh) -> admin_pb2.InstanceWorkload:
+    (only,) = mesh.admin().GetStats(admin_pb2.GetStatsRequest(), timeout=5).instances
+    return only
