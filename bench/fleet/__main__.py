@@ -289,9 +289,12 @@ def cmd_signal(args, progress=None) -> tuple[str, dict]:
     probe, scale, _ = cell_arrivals(cell, 1000, 0, eng, ids, args.max_input, args.max_output)
     per_s = len(probe) / (probe[-1].at_s - probe[0].at_s)
     need = int(per_s * minutes * 60)
-    arr, _, _ = cell_arrivals(
-        Cell("tenants_rag", 2, 0.6, 0), need, 0, eng, ids, args.max_input, args.max_output
-    )
+    arr, _, _ = cell_arrivals(cell, need, 0, eng, ids, args.max_input, args.max_output)
+    span = arr[-1].at_s - arr[0].at_s
+    if span < minutes * 60:  # a larger population reuses more, so its load level compresses time more: top up
+        need = int(need * minutes * 60 / span) + 1
+        arr, _, _ = cell_arrivals(cell, need, 0, eng, ids, args.max_input, args.max_output)
+    span_min = (arr[-1].at_s - arr[0].at_s) / 60
     faults = Faults(
         abort_share=0.05, abort_within_s=2.0, engine_restarts=((600.0, 1),), coordinator_restarts=(1200.0,)
     )
@@ -305,7 +308,7 @@ def cmd_signal(args, progress=None) -> tuple[str, dict]:
         m0 = (start - arr[0].at_s) / 60
         lines.append(f"| {m0:.0f}-{m0 + 5:.0f} | {err:.0f} | {true:.0f} |")
     sections.append(
-        f"Drift: tenants_rag, 2 instances at 60%, {len(arr)} requests over {minutes} simulated minutes; 5% of "
+        f"Drift: tenants_rag, 2 instances at 60%, {len(arr)} requests over {span_min:.0f} simulated minutes; 5% of "
         "requests cut by their client within 2 s, engine sim-1 killed and restarted (counters back to zero) at "
         "minute 10, the coordinator restarted (empty ledger, requests in flight unknown to it) at minute 20:\n\n"
         + "\n".join(lines)
