@@ -46,7 +46,7 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
     ),
     (
         "routing",
-        "Routing quality per workload: every policy, two loads, 4 and 16 instances, 3 seeds",
+        "Routing quality per workload: every policy, two loads, 4 and 16 instances, several seeds",
         ["bench.fleet", "routing", "--output-dir", "{out}"],
         "fleet-routing.md",
     ),
