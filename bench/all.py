@@ -39,17 +39,16 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "fleet-sweep.md",
     ),
     (
-        "whatif",
-        "What-if in the simulator: prefill tokens released at the first token",
-        [
-            "bench.fleet",
-            "sweep",
-            "--release-prefill-at-first-token",
-            "--no-write",
-            "--output-dir",
-            "{out}",
-        ],
-        "fleet-sweep-whatif.md",
+        "signal",
+        "The load signal: ledger prefill against the true queued prefill, and its drift",
+        ["bench.fleet", "signal", "--output-dir", "{out}"],
+        "fleet-signal.md",
+    ),
+    (
+        "routing",
+        "Routing quality per workload: every policy, two loads, 4 and 16 instances, several seeds",
+        ["bench.fleet", "routing", "--output-dir", "{out}"],
+        "fleet-routing.md",
     ),
     (
         "policies",
@@ -139,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--docs", default="docs", help="where benchmarks.md and bench/ go")
     parser.add_argument("--only", nargs="+", choices=[s[0] for s in STEPS], help="run only these steps")
+    parser.add_argument(
+        "--record",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("STEP", "SECONDS", "COMMAND"),
+        help="record a step run by hand (its piece already written under docs/bench) instead of running it",
+    )
     args = parser.parse_args(argv)
     docs = Path(args.docs)
     out = docs / "bench"
@@ -147,8 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     meta_path = out / "steps.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     total0 = time.monotonic()
+    for name, seconds, command in args.record:
+        meta[name] = {
+            "command": command,
+            "seconds": float(seconds),
+            "exit": 0,
+            "finished": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
+            "load_after": round(os.getloadavg()[0], 2),
+        }
+        (out / f"{name}.stdout.txt").write_text("")
+    if args.record:
+        meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+        args.only = args.only or [name for name, _, _ in args.record]
     for name, title, argv_tpl, _piece in STEPS:
-        if args.only and name not in args.only:
+        if (args.only and name not in args.only) or any(r[0] == name for r in args.record):
             continue
         argv_ = [a.replace("{out}", str(out)) for a in argv_tpl]
         shown = " ".join([PY, "-m", *map(shlex.quote, argv_)])

@@ -27,11 +27,22 @@ under test, so requests/s is capped by the client; compare rows, not absolute fi
     "sweep": """The sweep runs in the fleet simulator (cheap, deterministic) on the configuration of the trace replay
 below (4 engines, first 300 conversation requests, arrivals x1.25). It ranks kv_affinity parameter sets by mean
 plus p99 TTFT and writes the best to `bench/tuned_kv_affinity.json`, which the replay below and the scale table
-use as `kv_affinity_tuned`. Peer policies are shown with their defaults on the same load.""",
-    "whatif": """The same sweep with one change to the simulated coordinator: a request's prefill tokens leave the
-workload ledger when its first token appears, instead of when the response ends (the real coordinator does not
-learn of the first token today). The load signal of `least_load` and `kv_affinity` then counts only prefill work
-still queued, which is what TTFT depends on.""",
+use as `kv_affinity_tuned`. Peer policies are shown with their defaults on the same load. When this section's
+date predates the routing section, it was measured with the ledger releasing prefill at response end and the
+old kv_affinity defaults (`make bench` re-runs it).""",
+    "signal": """How each way of learning that a request's prefill is done follows the true queued prefill
+(the committed prefill of requests routed to an instance that have no first token yet), sampled at every decision
+on every instance, in the fleet simulator with the ledger's own code (`coordinator/workload.py`). "Engine
+counters" is Tandem's signal: vLLM's `vllm:prompt_tokens_total` and `vllm:generation_tokens_total` relayed by the
+node agent, applied by `WorkloadLedger.engine_progress`. The drift run replays 30 simulated minutes with client
+aborts, an engine restart and a coordinator restart.""",
+    "routing": """The routing-quality table: every policy on the same arrivals in the fleet simulator (the real
+policy, index, ledger and engine-model objects), per workload, fleet size (4 and 16 instances, one population each)
+and load level (60% and 90% of round robin's prefill capacity), over 3 seeds. Peers use their real systems' load
+signals (Dynamo: exact first-token release; llm-d: metrics every 50 ms; SGLang: its own tree of routed prompts).
+The real peer routers (`sglang-router`, `vllm-router`) run only in the real-time replay below (Mooncake
+conversation trace, 4 engines): they cannot be put inside the simulator. The goal column holds for the kv_affinity
+row.""",
     "policies": """Every row is a fresh mesh with the same 4 engines (empty caches) and the same seeded trace: the
 Mooncake conversation trace, token ids synthesised per 512-token hash id (as whole-word tokens, so the prompt is
 sent as text and tokenizes back to exactly those ids: `sglang-router` takes text prompts only), prompts capped
@@ -39,7 +50,10 @@ at 8192 tokens and outputs at 64. The peer routers run in their cache-aware mode
 mesh's engines. The hit rate is the engines' own `vllm:prefix_cache_hits_total / queries_total`. "Match
 fallbacks" counts requests the coordinator scored on load alone because the conductor missed the deadline
 (100 ms here). When the sweep keeps kv_affinity's defaults, `kv_affinity` and `kv_affinity_tuned` are the same
-policy run twice, and the gap between their rows is the run-to-run spread of this real-time replay.""",
+policy run twice, and the gap between their rows is the run-to-run spread of this real-time replay. Real-time
+figures follow the machine's load (the step table's last column): on a 2-core machine shared with other work at
+a load average near 20, engines at speedup 5 fall behind real time and every TTFT grows several-fold; compare
+rows, not runs.""",
     "validate": """Small enough to run in real time: 2 engines at speedup 2, 150 requests, arrivals x0.625 (the same
 load per engine as the replay above). The real-time rows are `bench.policies` replays; the simulator replays the
 same token ids with the same policies objects, the conductor's index and simengine's scheduler, cache and timing
@@ -50,7 +64,9 @@ while as the first or only one it agreed within 4% (three runs); the cause is no
 8 instances at arrivals x2.5, so the load per instance is that of the replay above at every size. TTFT and hit
 rate are simulated; decision time is the wall-clock cost per request of the coordinator's and conductor's own
 Python in-process (Match: chain hashing and index walk; candidates: the per-instance ledger view; pick: the
-policy), which grows with the number of instances; gRPC and Envoy are not included.""",
+policy), which grows with the number of instances; gRPC and Envoy are not included. When this section's date
+predates the routing section, it was measured before issue 11 (prefill released at response end, old
+kv_affinity defaults); `make bench` re-runs it.""",
     "simengine": """From issue 5: streamed tokens/s one engine process sustains at 256 concurrent streams (CPU
 bound, speedup 10000), and the timing model's TTFT/ITL at speedup 1 against its profile.""",
     "conductor": """From issue 4, `--quick` size (10% of the full run): ingest rate, Match latency at 8k/64 and

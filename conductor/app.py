@@ -44,6 +44,7 @@ class Conductor:
             "rejected_batches": self.service.rejected_batches,
             "matches": self.service.matches,
             "truncated_matches": self.service.truncated_matches,
+            "expired_matches": self.service.expired_matches,
             "dropped_replay_requests": self.service.dropped_replays,
             "direct_dropped_batches": sum(d.dropped for d in self.direct),
             "decode_errors": sum(d.decode_errors for d in self.direct),

@@ -39,6 +39,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         self.rejected_batches = 0
         self.matches = 0
         self.truncated_matches = 0
+        self.expired_matches = 0  # Match requests dropped because their deadline had passed
         self.dropped_replays = 0
 
     async def Ingest(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -94,6 +95,14 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         budget = self.config.match_deadline_ms / 1000.0
         index = self.core.index
         async for req in request_iterator:
+            deadline = time.perf_counter() + budget
+            if req.HasField("deadline"):
+                left = req.deadline.ToNanoseconds() / 1e9 - time.time()
+                if left <= 0:
+                    # The coordinator has stopped waiting: answering would only delay the requests behind it.
+                    self.expired_matches += 1
+                    continue
+                deadline = min(deadline, time.perf_counter() + left)
             result = match(
                 index,
                 req.model,
@@ -101,7 +110,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                 block_hashes=req.block_hashes,
                 block_size=req.block_size,
                 candidates=req.candidate_instance_ids,
-                deadline=time.perf_counter() + budget,
+                deadline=deadline,
             )
             self.matches += 1
             if result.truncated:

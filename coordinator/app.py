@@ -19,6 +19,7 @@ from coordinator.handoff import HandoffRunner
 from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker, TokenizerCache
+from coordinator.predicted_cache import PredictedCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
@@ -54,8 +55,10 @@ def build(mesh: MeshView) -> Coordinator:
     instances = InstanceTable(m.name for m in mesh.models)
     tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
     matcher = ConductorMatcher(mesh.conductor.listen, config.scheduler.match_timeout_ms / 1000)
+    ledger = WorkloadLedger()
+    predicted = PredictedCache(config.scheduler.predicted_cache_lifetime_ms / 1000)
     picker = EndpointPicker(
-        config, instances, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher
+        config, instances, ledger, config.scheduler.build(), tokenizers, matcher, predicted
     )
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
         tokenizers.get(model.name)
@@ -63,7 +66,7 @@ def build(mesh: MeshView) -> Coordinator:
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
     ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
-    registry = RegistryService(instances, config)
+    registry = RegistryService(instances, config, picker.ledger)
     admin = AdminService(picker, ext_proc.counters, mesh)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)

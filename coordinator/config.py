@@ -42,7 +42,7 @@ class SchedulerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: str = "least_load"
+    policy: str = "kv_affinity"
     """The policy in use: a built-in type (`round_robin`, `least_load`, `kv_affinity`, ...) or a `policies` name."""
     kv_affinity: dict[str, Any] = {}
     """Parameters of the built-in `kv_affinity` (see `coordinator/scheduling/kv_affinity.py`)."""
@@ -55,7 +55,14 @@ class SchedulerConfig(BaseModel):
     policies: list[PolicySpec] = []
     """Extra named policy instances."""
     match_timeout_ms: float = Field(default=20.0, gt=0)
-    """Deadline of one conductor `Match`; past it (or with the conductor down) scoring uses load alone."""
+    """Deadline of one conductor `Match`; past it (or with the conductor down) scoring uses load alone. The
+    conductor receives the same deadline and drops a request it could not start in time."""
+    predicted_cache_lifetime_ms: float = Field(default=3000.0, ge=0)
+    """How long a prompt just routed to an instance counts as cached there (for KV-aware policies) before the
+    engine's KV events, through the conductor, confirm it; 0 turns predictions off."""
+    prefill_rate_tokens_per_s: float = Field(default=0.0, ge=0)
+    """Calibrated prefill speed of one instance, in tokens/s: between two progress reports the ledger drains each
+    instance's outstanding prefill at this rate (0: progress reports alone)."""
 
     @model_validator(mode="before")
     @classmethod

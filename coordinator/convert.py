@@ -78,7 +78,8 @@ def instance_to_proto(info: InstanceInfo) -> common_pb2.Instance:
 def load_from_proto(msg: common_pb2.InstanceLoad) -> EngineLoad:
     """An `InstanceLoad` message as a dataclass."""
     sampled = msg.sampled_at.ToNanoseconds() / 1e9 if msg.HasField("sampled_at") else 0.0
-    return EngineLoad(msg.running_requests, msg.waiting_requests, msg.kv_cache_usage, sampled)
+    progress = {p.dp_rank: (p.prompt_tokens_total, p.generation_tokens_total) for p in msg.progress}
+    return EngineLoad(msg.running_requests, msg.waiting_requests, msg.kv_cache_usage, sampled, progress)
 
 
 def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:

@@ -1,16 +1,19 @@
 """The coordinator's client of the conductor's `Match` stream, with a deadline and a load-only fallback.
 
-One long-lived bidirectional stream; the conductor answers requests in order, so pending answers are a FIFO of
-futures. While the stream is down, or when an answer misses its deadline, `match` returns None at once and the
-caller scores on load alone (counted in `tandem_coordinator_match_fallbacks`).
+One long-lived bidirectional stream. Each request carries a deadline (now plus the timeout the coordinator waits)
+and an id unique among the requests waiting; answers are paired with their request by that id, never by position,
+so an answer the conductor dropped (its deadline passed before the conductor reached it) or sent late cannot be
+given to another request. While the stream is down, or when an answer misses its deadline, `match` returns None at
+once and the caller scores on load alone (counted in `tandem_coordinator_match_fallbacks`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import itertools
 import logging
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -39,7 +42,8 @@ class ConductorMatcher:
         self.address = address
         self.timeout_s = timeout_s
         self._outbox: asyncio.Queue[conductor_pb2.MatchRequest] = asyncio.Queue(maxsize=queue_size)
-        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        self._pending: dict[str, asyncio.Future] = {}  # request id on the wire -> its answer
+        self._suffix = itertools.count(1)
         self._task: asyncio.Task | None = None
         self.connected = False
 
@@ -65,16 +69,16 @@ class ConductorMatcher:
                     backoff = 0.1
                     log.info("match stream open", extra={"conductor": self.address})
                     async for reply in call:
-                        if self._pending:
-                            fut = self._pending.popleft()
-                            if not fut.done():
-                                fut.set_result(reply)
+                        fut = self._pending.pop(reply.request_id, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(reply)
+                        # An answer nobody waits for (its request timed out here) is dropped.
             except (TimeoutError, grpc.aio.AioRpcError) as exc:
                 if self.connected:
                     log.warning("match stream lost", extra={"error": repr(exc)})
             self.connected = False
-            while self._pending:
-                fut = self._pending.popleft()
+            pending, self._pending = self._pending, {}
+            for fut in pending.values():
                 if not fut.done():
                     fut.set_result(None)
             while not self._outbox.empty():
@@ -93,21 +97,27 @@ class ConductorMatcher:
         token_ids: Sequence[int],
         candidates: Sequence[str],
         block_size: int = 0,
+        hashes: Sequence[int] | None = None,
     ) -> dict[str, KvMatch] | None:
         """Per candidate id, the best DP rank's hits; None when the conductor could not answer in time.
 
         With the candidates' common `block_size`, the prompt goes as its chain hashes (`tandem.chain_hash`, the
-        conductor's own function): a tenth of the bytes and no token conversion on the conductor's side."""
+        conductor's own function; `hashes` when the caller has them already): a tenth of the bytes and no token
+        conversion on the conductor's side."""
         if not self.connected or self._outbox.full():
             metrics.MATCH_FALLBACKS.labels("unavailable").inc()
             return None
+        wire_id = request_id
+        while wire_id in self._pending:  # a client reused an id still waiting: keep answers apart
+            wire_id = f"{request_id}#{next(self._suffix)}"
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append(fut)
+        self._pending[wire_id] = fut
         request = conductor_pb2.MatchRequest(
-            request_id=request_id, model=model, candidate_instance_ids=candidates
+            request_id=wire_id, model=model, candidate_instance_ids=candidates
         )
+        request.deadline.FromNanoseconds(int((time.time() + self.timeout_s) * 1e9))
         if block_size:
-            request.block_hashes.extend(chain_hashes(token_ids, block_size))
+            request.block_hashes.extend(hashes if hashes is not None else chain_hashes(token_ids, block_size))
             request.block_size = block_size
         else:
             request.token_ids.extend(token_ids)
@@ -117,6 +127,9 @@ class ConductorMatcher:
         except TimeoutError:
             metrics.MATCH_FALLBACKS.labels("timeout").inc()
             return None
+        finally:
+            if self._pending.get(wire_id) is fut:
+                del self._pending[wire_id]
         if reply is None:
             metrics.MATCH_FALLBACKS.labels("unavailable").inc()
             return None

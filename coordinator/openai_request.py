@@ -23,6 +23,7 @@ class OpenAIRequest:
     body: dict[str, Any]
     prompts: list[list[int]]  # prompt token ids, one list per prompt
     max_tokens: int  # output tokens counted for workload, over all prompts and choices
+    n: int = 1  # choices per prompt
 
     @property
     def prompt_tokens(self) -> int:
@@ -87,4 +88,4 @@ def understand(
         param = "messages" if api == "chat.completions" else "prompt"
         raise OpenAIError(400, str(exc), param) from None
     per_choice = max_tokens if max_tokens is not None else default_max_tokens
-    return OpenAIRequest(api, model, stream, body, prompts, per_choice * n * len(prompts))
+    return OpenAIRequest(api, model, stream, body, prompts, per_choice * n * len(prompts), n)

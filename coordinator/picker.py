@@ -22,8 +22,10 @@ from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.openai_request import OpenAIRequest, model_of, parse_body, understand
+from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts, create_policy
 from coordinator.workload import Commitment, WorkloadLedger
+from tandem.chain_hash import chain_hashes
 from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,11 +54,12 @@ class Decision:
     mode: str
     target: Leg  # where Envoy forwards the request: the aggregated engine, or the decode engine
     matches: dict[str, KvMatch] | None = None  # conductor facts for the prefill pool (handoff), asked once
+    hashes: tuple[int, ...] = ()  # the first prompt's chain hashes (prefill pool's block size), when asked
 
     @property
     def facts(self) -> RequestFacts:
         r = self.request
-        return RequestFacts(self.request_id, r.model, r.prompt_tokens, r.max_tokens)
+        return RequestFacts(self.request_id, r.model, r.prompt_tokens, r.max_tokens, self.hashes)
 
 
 def candidates(
@@ -105,6 +108,7 @@ class EndpointPicker:
         policy: Policy,
         tokenizers: TokenizerCache,
         matcher: ConductorMatcher | None = None,
+        predicted: PredictedCache | None = None,
     ) -> None:
         self.config = config
         self.instances = instances
@@ -112,6 +116,7 @@ class EndpointPicker:
         self.policy = policy
         self.tokenizers = tokenizers
         self.matcher = matcher
+        self.predicted = predicted  # prompts just routed count as cached until KV events confirm them
         self._decode_policy = create_policy("least_load")
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
@@ -150,17 +155,35 @@ class EndpointPicker:
     ) -> list[Candidate]:
         return candidates(states, self.ledger, matches)
 
-    async def _matches(self, policy: Policy, request_id: str, request: OpenAIRequest, states) -> dict | None:
-        if not policy.needs_match or self.matcher is None:
-            return None
+    async def _matches(
+        self, policy: Policy, request_id: str, request: OpenAIRequest, states
+    ) -> tuple[dict | None, tuple[int, ...]]:
+        """The conductor's facts, with predictions merged in, and the first prompt's chain hashes."""
+        if not policy.needs_match:
+            return None, ()
         ids = [s.info.instance_id for s in states]
         sizes = {s.info.block_size for s in states}
         block_size = sizes.pop() if len(sizes) == 1 else 0  # mixed block sizes: let the conductor hash
         # One lookup per request: the first prompt (multi-prompt completions are scored on it).
-        return await self.matcher.match(request_id, request.model, request.prompts[0], ids, block_size)
+        prompt = request.prompts[0]
+        hashes = tuple(chain_hashes(prompt, block_size)) if block_size else ()
+        matches = None
+        if self.matcher is not None:
+            matches = await self.matcher.match(request_id, request.model, prompt, ids, block_size, hashes)
+        if self.predicted is not None and hashes and policy.uses_predictions:
+            matches = self.predicted.overlay(hashes, matches, ids, block_size)
+        return matches, hashes
 
-    def _commit(self, state: InstanceState, prefill: int, decode: int, context: int) -> Commitment:
-        return self.ledger.commit(state.info.instance_id, prefill, decode, context)
+    def _predict(self, leg: Leg, hashes: tuple[int, ...]) -> None:
+        if self.predicted is not None and hashes and self.policy.uses_predictions:
+            self.predicted.routed(leg.instance.info.instance_id, hashes)
+
+    def _commit(
+        self, state: InstanceState, prefill: int, decode: int, context: int, counted: int
+    ) -> Commitment:
+        # `counted`: what the leg adds to the engine's prompt-token counter when its prefill is done (vLLM counts
+        # each prompt of each choice), so that the ledger can follow the engine's progress.
+        return self.ledger.commit(state.info.instance_id, prefill, decode, context, counted)
 
     async def decide(self, api: str, raw_body: bytes, request_id: str) -> Decision:
         """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503)."""
@@ -173,11 +196,16 @@ class EndpointPicker:
                 raise OpenAIError(
                     503, f"No healthy instance serves the model `{model}` right now; retry later."
                 )
-            matches = await self._matches(self.policy, request_id, request, states)
-            facts = RequestFacts(request_id, model, isl, out)
+            matches, hashes = await self._matches(self.policy, request_id, request, states)
+            facts = RequestFacts(request_id, model, isl, out, hashes)
             chosen = self.policy.pick(facts, self._candidates(states, matches))
             matched = min(chosen.match.matched_tokens, isl)
-            leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, out, isl + out), chosen.match)
+            leg = Leg(
+                chosen.state,
+                self._commit(chosen.state, isl - matched, out, isl + out, isl * request.n),
+                chosen.match,
+            )
+            self._predict(leg, hashes)
             return Decision(request, request_id, mode, leg)
         if mode == HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
@@ -190,7 +218,7 @@ class EndpointPicker:
             )
         facts = RequestFacts(request_id, model, isl, out)
         decode = self._decode_policy.pick(facts, self._candidates(decodes, None))
-        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out))
+        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n))
         return Decision(request, request_id, mode, leg)
 
     async def pick_prefill(self, decision: Decision, exclude: set[str]) -> Leg:
@@ -202,13 +230,16 @@ class EndpointPicker:
             raise OpenAIError(503, f"No healthy prefill instance serves `{request.model}` right now{tried}.")
         if decision.matches is None:
             all_prefill = self._routable(request.model, "prefill")
-            decision.matches = (
-                await self._matches(self.policy, decision.request_id, request, all_prefill) or {}
+            matches, decision.hashes = await self._matches(
+                self.policy, decision.request_id, request, all_prefill
             )
+            decision.matches = matches or {}
         chosen = self.policy.pick(decision.facts, self._candidates(states, decision.matches))
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
-        return Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl), chosen.match)
+        leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)
+        self._predict(leg, decision.hashes)
+        return leg
 
     def release(self, leg: Leg) -> bool:
         """Releases one leg's workload; True the first time only."""

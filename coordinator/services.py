@@ -19,6 +19,7 @@ from coordinator.ext_proc import RequestCounters
 from coordinator.instances import Health, InstanceTable
 from coordinator.picker import EndpointPicker
 from coordinator.trigger import TriggerCoordinator
+from coordinator.workload import WorkloadLedger
 from tandem.logs import request_id_var
 from tandem.v1 import (
     admin_pb2,
@@ -44,9 +45,12 @@ def publish_instance_counts(instances: InstanceTable) -> None:
 class RegistryService(registry_pb2_grpc.RegistryServicer):
     """Node agents register instances and report their health and load."""
 
-    def __init__(self, instances: InstanceTable, config: CoordinatorConfig) -> None:
+    def __init__(
+        self, instances: InstanceTable, config: CoordinatorConfig, ledger: WorkloadLedger | None = None
+    ) -> None:
         self.instances = instances
         self.config = config
+        self.ledger = ledger  # follows each instance's progress counters, as heartbeats carry them
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
 
     async def Register(self, request: registry_pb2.RegisterRequest, context) -> registry_pb2.RegisterResponse:
@@ -55,6 +59,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.instances.register(info)
+        if self.ledger is not None:
+            # A (re)started engine or a restarted agent: the next report of its counters is a new baseline.
+            self.ledger.forget_progress(info.instance_id)
+            self.ledger.set_prefill_rate(info.instance_id, self.config.scheduler.prefill_rate_tokens_per_s)
         publish_instance_counts(self.instances)
         log.info(
             "registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address}
@@ -70,7 +78,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         try:
             async for beat in request_iterator:
                 health = HEALTH_NAMES.get(beat.health, Health.UNHEALTHY)
-                known = self.instances.heartbeat(beat.instance_id, health, load_from_proto(beat.load))
+                load = load_from_proto(beat.load)
+                known = self.instances.heartbeat(beat.instance_id, health, load)
+                if known and load.progress and self.ledger is not None:
+                    self.ledger.engine_progress(beat.instance_id, load.progress)
                 yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=known)
         finally:
             self.open_streams -= 1

@@ -47,6 +47,7 @@ class NodeAgent:
         for service in self.services:
             for sup in service.supervisors:
                 self.supervisors[sup.name] = sup
+                sup.on_load = self.link.load_reported
         self._relayed: set[str] = set()
         self._tasks: list[asyncio.Task] = []
 

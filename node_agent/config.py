@@ -298,7 +298,10 @@ class NodeAgentConfig(BaseModel):
     runtime_dir: str | None = None
     """Where engine logs and IPC sockets go; `/tmp/tandem-<node_id>-<listen port>` when unset."""
     probe_interval_s: float = Field(default=2.0, gt=0)
-    """How often each engine's `/health` and `/metrics` are read."""
+    """How often each engine's `/health` is probed."""
+    load_interval_s: float = Field(default=0.25, gt=0)
+    """How often each healthy engine's `/metrics` is read and its load and progress counters relayed to the
+    coordinator (the coordinator takes finished prefills off its workload ledger from them: a few Hz)."""
     stop_grace_s: float = Field(default=10.0, gt=0)
     """Seconds between SIGTERM and SIGKILL when stopping an engine."""
     restart: RestartPolicy = RestartPolicy()

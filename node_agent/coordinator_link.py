@@ -74,6 +74,10 @@ def heartbeat_message(sup: EngineSupervisor) -> registry_pb2.HeartbeatRequest:
             waiting_requests=sup.load.waiting,
             kv_cache_usage=sup.load.kv_cache_usage,
             sampled_at=sampled if sup.load.sampled_at else None,
+            progress=[
+                common_pb2.RankProgress(dp_rank=rank, prompt_tokens_total=p, generation_tokens_total=g)
+                for rank, (p, g) in sup.load.progress.items()
+            ],
         ),
     )
 
@@ -90,6 +94,14 @@ class CoordinatorLink:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._wake = asyncio.Event()
+        self._outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] | None = None  # of the open stream
+
+    def load_reported(self, sup: EngineSupervisor) -> None:
+        """Called after each scrape of an engine's `/metrics`: relays its load and progress counters at once (the
+        coordinator's ledger follows prefill progress from them), between the regular heartbeats."""
+        outbox = self._outbox
+        if outbox is not None and sup.name in self.registered and not outbox.full():
+            outbox.put_nowait(heartbeat_message(sup))
 
     async def changed(self, sup: EngineSupervisor) -> None:
         """Called on every supervisor transition: registers or deregisters at once."""
@@ -139,6 +151,7 @@ class CoordinatorLink:
 
     async def _stream(self) -> None:
         outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] = asyncio.Queue(maxsize=1024)
+        self._outbox = outbox
 
         async def requests():
             while True:
@@ -168,6 +181,7 @@ class CoordinatorLink:
                     await asyncio.wait_for(self._wake.wait(), self.interval_s)
             reader.result()
         finally:
+            self._outbox = None
             reader.cancel()
             call.cancel()
 

@@ -92,6 +92,7 @@ class EngineService(_Supervised):
                         config.probe_interval_s,
                         config.stop_grace_s,
                         on_change,
+                        load_interval_s=config.load_interval_s,
                     )
                 )
 

@@ -69,6 +69,7 @@ class EngineSupervisor:
         on_change: Callable[[EngineSupervisor], Awaitable[None]],
         health_timeout_s: float | None = None,
         tcp_health: str | None = None,
+        load_interval_s: float | None = None,
     ) -> None:
         self.engine = engine  # None for a service that is not an engine (the KV store)
         self.spec = spec
@@ -78,6 +79,8 @@ class EngineSupervisor:
         self.policy = policy
         self.log_path = log_path
         self.probe_interval_s = probe_interval_s
+        self.load_interval_s = load_interval_s or probe_interval_s  # how often `/metrics` is scraped
+        self.on_load: Callable[[EngineSupervisor], None] | None = None  # called after each successful scrape
         self.stop_grace_s = stop_grace_s
         self.on_change = on_change
         self.state = EngineState.STOPPED
@@ -228,16 +231,22 @@ class EngineSupervisor:
                 await asyncio.sleep(0.1)
             self.healthy = True
             await self._set(EngineState.RUNNING)
+            loop = asyncio.get_running_loop()
+            next_probe = loop.time() + self.probe_interval_s
+            scrapes = bool(self.base_url)
+            tick = min(self.probe_interval_s, self.load_interval_s) if scrapes else self.probe_interval_s
             while not exited.done():
-                await asyncio.wait({exited}, timeout=self.probe_interval_s)
+                await asyncio.wait({exited}, timeout=tick)
                 if exited.done():
                     break
-                healthy = await self._probe(http)
-                if healthy and self.base_url:
-                    await self._scrape(http)
-                if healthy != self.healthy:
-                    self.healthy = healthy
-                    await self.on_change(self)
+                if loop.time() >= next_probe:
+                    next_probe = loop.time() + self.probe_interval_s
+                    healthy = await self._probe(http)
+                    if healthy != self.healthy:
+                        self.healthy = healthy
+                        await self.on_change(self)
+                if self.healthy and scrapes and await self._scrape(http) and self.on_load is not None:
+                    self.on_load(self)
             return exited.result()
         finally:
             self.healthy = False
@@ -255,13 +264,16 @@ class EngineSupervisor:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
-    async def _scrape(self, http: aiohttp.ClientSession) -> None:
+    async def _scrape(self, http: aiohttp.ClientSession) -> bool:
+        """Reads the engine's load and progress counters; False when it could not."""
         try:
             async with http.get(f"{self.base_url}/metrics") as resp:
                 if resp.status == 200:
                     self.load = parse_load(await resp.text())
+                    return True
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             pass
+        return False
 
     async def _terminate(self) -> None:
         proc = self.process

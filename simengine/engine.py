@@ -207,6 +207,9 @@ class Engine:
             if req.first_token_time == 0.0:
                 req.first_token_time = now
                 m.ttft.observe(now - req.arrival_time)
+                # As vLLM: a request's prompt is counted when its prefill is done (its first token), which is the
+                # progress signal routers read; a request aborted before its first token is never counted.
+                m.prompt_tokens.inc(req.num_prompt_tokens)
             else:
                 m.itl.observe(now - req.last_token_time)
             req.last_token_time = now
@@ -240,7 +243,6 @@ class Engine:
         m.request_prefill_kv_computed_tokens.observe(
             max(req.num_prompt_tokens - max(req.num_cached_tokens, 0) - req.num_external_tokens, 0)
         )
-        m.prompt_tokens.inc(req.num_prompt_tokens)
         cached = max(req.num_cached_tokens, 0)
         m.prompt_tokens_cached.inc(cached + req.num_external_tokens)
         m.prompt_local_cache_hit.inc(cached)

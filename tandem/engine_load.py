@@ -4,7 +4,7 @@ coordinator's policies."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,19 +17,43 @@ class EngineLoad:
     waiting: int = 0  # vllm:num_requests_waiting
     kv_cache_usage: float = 0.0  # vllm:kv_cache_usage_perc, a fraction
     sampled_at: float = 0.0  # wall clock of the scrape; 0 when never sampled
+    #: Per DP rank (vLLM's `engine` label), the cumulative (`vllm:prompt_tokens_total`,
+    #: `vllm:generation_tokens_total`); empty when the engine exposes neither.
+    progress: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def parse_load(text: str) -> EngineLoad:
-    """vLLM's load gauges, summed over engines/ranks of one server (older `gpu_cache_usage_perc` accepted)."""
+    """vLLM's load gauges, summed over engines/ranks of one server (older `gpu_cache_usage_perc` accepted), and
+    its progress counters per rank."""
     load = EngineLoad(sampled_at=time.time())
     usage: list[float] = []
+    prompt: dict[int, int] = {}
+    generation: dict[int, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "vllm:num_requests_running":
+            name = sample.name
+            if name in _COUNTERS:
+                rank = _rank(sample.labels.get("engine", "0"))
+                into = prompt if name == _COUNTERS[0] else generation
+                into[rank] = into.get(rank, 0) + int(sample.value)
+            elif name == "vllm:num_requests_running":
                 load.running += int(sample.value)
             elif sample.name == "vllm:num_requests_waiting":
                 load.waiting += int(sample.value)
             elif sample.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                 usage.append(sample.value)
     load.kv_cache_usage = max(usage) if usage else 0.0
+    load.progress = {
+        r: (prompt.get(r, 0), generation.get(r, 0)) for r in sorted(prompt.keys() | generation.keys())
+    }
     return load
+
+
+_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+def _rank(label: str) -> int:
+    try:
+        return int(label)
+    except ValueError:
+        return 0

@@ -79,6 +79,11 @@ class SimInstance:
         self.busy = False  # a step is in progress (its end is in the event queue)
         self._out: SchedulerOutput | None = None
         self.steps = 0
+        # vLLM's progress counters, as the node agent relays them: `vllm:prompt_tokens_total` grows by a request's
+        # prompt length at its first token, `vllm:generation_tokens_total` by every token (the fleet updates them).
+        self.prompt_counter = 0
+        self.generation_counter = 0
+        self.dead = False  # the engine process died (its pending step ends are ignored)
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -25,8 +25,8 @@ POLICY_ROWS: dict[str, tuple[str, Mapping[str, Any] | None]] = {
 
 #: The sweep's grid over kv_affinity's parameters: (mode, load_weight values, load_gate_topn values).
 SWEEP_GRID: list[tuple[str, list[float], list[int]]] = [
-    ("blend", [0.02, 0.25, 1.0, 2.0], [0, 2, 3]),
-    ("prefix", [0.0, 1.0], [0, 2, 3]),
+    ("blend", [0.25, 0.35, 0.5, 1.0], [0, 2]),
+    ("prefix", [0.0, 0.5], [0, 2]),
 ]
 
 

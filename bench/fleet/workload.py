@@ -9,6 +9,7 @@ a 512-instance replay does not hold every prompt in memory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -30,20 +31,27 @@ class Arrival:
     key: int  # unique, seeds the request's tail tokens
 
 
-def load_rows(name: str, limit: int, max_input: int = 0, max_output: int = 0) -> list[dict]:
-    """The first `limit` rows of a trace, lengths capped."""
+def load_rows(
+    name: str, limit: int, max_input: int = 0, max_output: int = 0, seed: int = 0, skip: int = 0
+) -> list[dict]:
+    """`limit` rows of a trace after its first `skip`, or of a generated workload (`bench.workloads`, made with
+    `seed`), lengths capped."""
+    from bench.workloads import GENERATORS, generate
+
+    if name in GENERATORS:
+        source = generate(name, limit, seed)
+    else:
+        source = (json.loads(line) for line in itertools.islice(open(find_trace(name)), skip, None))
     rows = []
-    with open(find_trace(name)) as f:
-        for line in f:
-            if len(rows) >= limit:
-                break
-            row = json.loads(line)
-            if max_input:
-                row["input_length"] = min(row["input_length"], max_input)
-            row["output_length"] = max(1, row["output_length"])
-            if max_output:
-                row["output_length"] = min(row["output_length"], max_output)
-            rows.append(row)
+    for row in source:
+        if len(rows) >= limit:
+            break
+        if max_input:
+            row["input_length"] = min(row["input_length"], max_input)
+        row["output_length"] = max(1, row["output_length"])
+        if max_output:
+            row["output_length"] = min(row["output_length"], max_output)
+        rows.append(row)
     return rows
 
 

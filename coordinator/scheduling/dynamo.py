@@ -17,6 +17,11 @@ the context (prompt plus output) tokens of its requests in flight. With `router_
 wins, ties at random; with `T > 0` costs are min-max normalised and a candidate is drawn with probability
 proportional to `exp(-(c - c_min) / ((c_max - c_min) * T))`. Randomness comes from a generator seeded by `seed`.
 Dynamo's overlap-credit decay and shared-cache terms are off by default there and are not reproduced.
+
+Load signal: Dynamo's router sits in the token path and marks a request's prefill complete when its first token
+passes (`mark_prefill_completed`), so its active prefill tokens are exact. Inside Tandem this policy reads Tandem's
+ledger, whose prefill leaves on the engines' prompt-token counter (`coordinator.workload`); the fleet simulator's
+`dynamo` row uses Dynamo's own exact first-token release (`bench.fleet.sim.PEER_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class Dynamo:
 
     name = TYPE
     needs_match = True
+    uses_predictions = False  # Dynamo scores on its KV-event index alone
 
     def __init__(self, params: Params = Params()) -> None:
         self.params = params

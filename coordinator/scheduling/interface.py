@@ -40,6 +40,9 @@ class RequestFacts:
     model: str
     isl: int  # input sequence length over all prompts of the request
     max_tokens: int  # output tokens requested (per prompt times n), as counted for workload
+    #: Chain hashes (`tandem.chain_hash`) of the first prompt's full blocks at the candidates' block size, when the
+    #: policy `needs_match` and the candidates share one block size; empty otherwise.
+    prompt_hashes: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,9 @@ class Policy(Protocol):
 
     name: str
     needs_match: bool  # True when `pick` reads `Candidate.match` (the conductor is asked first)
+    #: True when `Candidate.match` should include the coordinator's predicted cache (prompts just routed count as
+    #: cached until KV events confirm them, `coordinator.predicted_cache`); peers that do not predict say False.
+    uses_predictions: bool
 
     def pick(self, request: RequestFacts, candidates: Sequence[Candidate]) -> Candidate:
         """The candidate to serve `request`."""

@@ -47,6 +47,7 @@ class LeastLoad:
 
     name = TYPE
     needs_match = False
+    uses_predictions = False
 
     def __init__(self, params: Params = Params()) -> None:
         self.params = params

@@ -8,6 +8,10 @@ from a generator seeded by `seed`):
 - KV utilisation (`kv_utilization_weight`, default 2): `1 - kv_cache_usage`;
 - queue (`queue_weight`, default 2): `(max_waiting - waiting) / (max_waiting - min_waiting)` over the candidates,
   1 when all are equal. Utilisation and queue come from the engines' `/metrics`, as the agents report them.
+
+Freshness: llm-d's endpoint picker scrapes every endpoint's metrics every 50 ms by default
+(`--refresh-metrics-interval`); Tandem's node agents relay them every `load_interval_s` (0.25 s). The fleet
+simulator's `llm_d` row uses llm-d's 50 ms (`bench.fleet.sim.PEER_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class LlmD:
 
     name = TYPE
     needs_match = True
+    uses_predictions = False
 
     def __init__(self, params: Params = Params()) -> None:
         self.params = params

@@ -36,6 +36,8 @@ def parse_params(cls: type[P], raw: Mapping[str, Any] | None, policy: str) -> P:
         elif expected is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{policy}.{key}: must be an integer, got {value!r}")
+        elif expected is bool and not isinstance(value, bool):
+            raise ValueError(f"{policy}.{key}: must be true or false, got {value!r}")
         if expected in (int, float) and value < 0:
             raise ValueError(f"{policy}.{key}: must be >= 0, got {value}")
         values[key] = value

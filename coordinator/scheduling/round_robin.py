@@ -22,6 +22,7 @@ class RoundRobin:
 
     name = TYPE
     needs_match = False
+    uses_predictions = False
 
     def __init__(self, params: Params = Params()) -> None:
         self.params = params

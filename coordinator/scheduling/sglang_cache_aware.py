@@ -9,15 +9,24 @@ through this coordinator:
 3. Otherwise pick the candidate with the smallest cache tree (`below_threshold: smallest_tree`, the classic
    router): here the fewest prompt tokens routed to it so far, which is what SGLang's per-worker tree counts
    before eviction; or the least-loaded one (`least_load`, newer gateways).
-SGLang matches characters in its own radix tree; Tandem matches tokens with the conductor's KV facts instead.
+Where the prefix match comes from (`tree`):
+- `routed` (default, as the real router): SGLang's router keeps its own approximate tree per worker and inserts
+  each prompt into the chosen worker's tree at routing time, never confirmed by the engine; here a
+  `coordinator.predicted_cache.PredictedCache` without expiry over the prompt's chain hashes (the router evicts
+  least-recently-used entries every 60 s above `max_tree_size`, 2^26 characters, which the benchmarks never reach;
+  this bound counts `max_tree_blocks` (block, worker) entries instead);
+- `kv_events`: the conductor's facts (what the engines report holding), as Tandem's own policies use.
+SGLang matches characters; Tandem matches token blocks of the candidates' block size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling.interface import Candidate, RequestFacts
 from coordinator.scheduling.params import parse_params
 
@@ -32,6 +41,8 @@ class Params:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     below_threshold: Literal["smallest_tree", "least_load"] = "smallest_tree"
+    tree: Literal["routed", "kv_events"] = "routed"
+    max_tree_blocks: int = 1 << 22
 
     def check(self) -> str | None:
         if self.cache_threshold > 1.0:
@@ -46,10 +57,18 @@ class SglangCacheAware:
 
     name = TYPE
     needs_match = True
+    uses_predictions = False  # its own routed-prompt tree instead (see `tree`)
 
     def __init__(self, params: Params = Params()) -> None:
         self.params = params
         self._tree_tokens: dict[str, int] = {}
+        self._tree = PredictedCache(math.inf, max_entries=params.max_tree_blocks)
+
+    def _matched_tokens(self, request: RequestFacts, ordered: Sequence[Candidate]) -> dict[str, int]:
+        if self.params.tree == "kv_events":
+            return {c.instance_id: c.match.matched_tokens for c in ordered}
+        blocks = self._tree.blocks(request.prompt_hashes, [c.instance_id for c in ordered])
+        return {c.instance_id: blocks.get(c.instance_id, 0) * c.state.info.block_size for c in ordered}
 
     def pick(self, request: RequestFacts, candidates: Sequence[Candidate]) -> Candidate:
         """Load balance when imbalanced, else cache affinity above the threshold, else the smallest tree."""
@@ -63,8 +82,9 @@ class SglangCacheAware:
         ):
             chosen = least_loaded
         else:
-            best = max(ordered, key=lambda c: c.match.matched_tokens)
-            rate = best.match.matched_tokens / request.isl if request.isl else 0.0
+            matched = self._matched_tokens(request, ordered)
+            best = max(ordered, key=lambda c: matched[c.instance_id])
+            rate = matched[best.instance_id] / request.isl if request.isl else 0.0
             if rate > p.cache_threshold:
                 chosen = best
             elif p.below_threshold == "least_load":
@@ -72,6 +92,8 @@ class SglangCacheAware:
             else:
                 chosen = min(ordered, key=lambda c: self._tree_tokens.get(c.instance_id, 0))
         self._tree_tokens[chosen.instance_id] = self._tree_tokens.get(chosen.instance_id, 0) + request.isl
+        if self.params.tree == "routed":
+            self._tree.routed(chosen.instance_id, request.prompt_hashes)
         return chosen
 
 

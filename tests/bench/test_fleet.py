@@ -98,3 +98,55 @@ def test_lazy_pool_allocates_in_the_order_of_the_eager_pool():
         order[0] == order[1] == [1, 0, 4, 5]
     )  # freed uncached blocks first (vLLM 0.32), then never-used ones
     assert eager.usage() == lazy.usage() == 1.0
+
+
+def _signal_run(word_ids, signal, faults=None, rate=4.0):
+    from bench.fleet.sim import Faults  # noqa: F401 - faults built by callers
+
+    rows = [
+        {
+            "timestamp": i * 40,
+            "input_length": 900 + 37 * (i % 7),
+            "output_length": 8,
+            "hash_ids": [i % 3, 100 + i],
+        }
+        for i in range(120)
+    ]
+    cfg = FleetConfig(
+        instances=2,
+        policy="least_load",
+        engine=EngineSpec(npu_blocks=512),
+        signal=signal,
+        load_interval_s=0.25,
+        faults=faults,
+    )
+    return simulate(cfg, arrivals(rows, rate), word_ids, seed=1)
+
+
+def test_counter_signal_follows_the_true_queued_prefill(word_ids):
+    end, counter, exact = (_signal_run(word_ids, s) for s in ("end", "counter", "first_token"))
+    assert exact.signal_error == pytest.approx(0.0)
+    assert counter.signal_error < end.signal_error
+    assert end.signal_ratio > 1.1  # prompts long since decoding still counted
+    for r in (end, counter, exact):
+        assert r.residual_tokens == 0 and r.residual_requests == 0
+
+
+def test_signal_survives_aborts_engine_and_coordinator_restarts(word_ids):
+    from bench.fleet.sim import Faults
+
+    faults = Faults(
+        abort_share=0.2, abort_within_s=0.5, engine_restarts=((0.6, 1),), coordinator_restarts=(0.9,)
+    )
+    r = _signal_run(word_ids, "counter", faults)
+    assert r.residual_tokens == 0 and r.residual_requests == 0
+    assert r.signal_error < 0.5
+
+
+def test_peers_use_their_real_systems_signals():
+    # Dynamo's router releases prefill at the first token; llm-d's picker refreshes metrics every 50 ms.
+    assert FleetConfig(policy="dynamo").effective_signal == "first_token"
+    assert FleetConfig(policy="llm_d").effective_load_interval_s == 0.05
+    tandem = FleetConfig(policy="kv_affinity")
+    assert (tandem.effective_signal, tandem.effective_load_interval_s) == ("counter", 0.25)
+    assert FleetConfig(policy="dynamo", signal="counter").effective_signal == "counter"

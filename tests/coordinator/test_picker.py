@@ -93,3 +93,35 @@ async def test_drained_and_unhealthy_instances_get_nothing():
             (await picker.decide("completions", body(prompt="x"), str(i))).target.instance.info.instance_id
         )
     assert picks == {"i1"}
+
+
+async def test_predicted_cache_sends_a_burst_after_the_first_request():
+    from coordinator.config import CoordinatorConfig, SchedulerConfig
+    from coordinator.instances import InstanceInfo, InstanceTable
+    from coordinator.picker import EndpointPicker, TokenizerCache
+    from coordinator.predicted_cache import PredictedCache
+    from coordinator.workload import WorkloadLedger
+
+    table = InstanceTable(["m"])
+    for i in range(2):
+        table.register(InstanceInfo(f"i{i}", "m", f"127.0.0.1:{8100 + i}", "hybrid", "aggregated"))
+    config = CoordinatorConfig(
+        scheduler=SchedulerConfig(policy="kv_affinity", kv_affinity={"predicted_cache": True})
+    )
+    tokenizers = TokenizerCache({}, load_tokenizer)
+    picker = EndpointPicker(
+        config, table, WorkloadLedger(), config.scheduler.build(), tokenizers, None, PredictedCache(5.0)
+    )
+    shared = "system prompt of a tenant " * 40
+    first = await picker.decide("completions", body(prompt=shared + "question one", max_tokens=4), "a")
+    second = await picker.decide("completions", body(prompt=shared + "question two", max_tokens=4), "b")
+    # No conductor at all: the second follows the first on the prediction alone, with its prefix credited.
+    assert second.target.instance.info.instance_id == first.target.instance.info.instance_id
+    assert second.target.match.npu_blocks > 0
+    assert second.target.commitment.prefill_tokens < second.request.prompt_tokens
+
+
+async def test_commitment_carries_what_the_engine_counts_at_the_first_token():
+    picker = make_picker()
+    d = await picker.decide("completions", body(prompt=["a b", "c d e"], n=2), "r")
+    assert d.target.commitment.prompt_tokens == d.request.prompt_tokens * 2

@@ -129,3 +129,38 @@ async def test_metaserver_rejects_unknown_attempts(channel):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Trigger(metaserver_pb2.TriggerRequest())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_heartbeat_progress_takes_prefill_off_the_ledger(monkeypatch):
+    monkeypatch.setenv("TANDEM_NO_BANNER", "1")
+    config = mesh_config(engines=1)
+    config["node_agents"] = []
+    coordinator = build(parse_mesh_config(config, "mesh.yaml"))
+    await coordinator.app.start()
+    try:
+        async with grpc.aio.insecure_channel(config["coordinator"]["listen"]) as ch:
+            registry, admin = registry_pb2_grpc.RegistryStub(ch), admin_pb2_grpc.AdminStub(ch)
+            await registry.Register(registry_pb2.RegisterRequest(instance=instance()))
+            ledger = coordinator.picker.ledger
+
+            def beat(prompt: int, generation: int) -> registry_pb2.HeartbeatRequest:
+                progress = common_pb2.RankProgress(
+                    dp_rank=0, prompt_tokens_total=prompt, generation_tokens_total=generation
+                )
+                load = common_pb2.InstanceLoad(progress=[progress])
+                return registry_pb2.HeartbeatRequest(
+                    instance_id="i0", health=common_pb2.HEALTH_HEALTHY, load=load
+                )
+
+            async def beats():
+                yield beat(5000, 700)  # baseline
+                ledger.commit("i0", 300, 20, 420, prompt_tokens=400)  # a request routed meanwhile
+                yield beat(5400, 701)  # its first token: prompt counted
+
+            async for _ in registry.Heartbeat(beats()):
+                pass
+            (stats,) = (await admin.GetStats(admin_pb2.GetStatsRequest())).instances
+            assert (stats.prefill_tokens, stats.inflight_requests) == (0, 1)
+            assert stats.decode_tokens == 19
+    finally:
+        await coordinator.app.server.stop(0)

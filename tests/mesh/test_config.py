@@ -7,7 +7,7 @@ def test_default_config_loads():
     mesh = load_mesh_config("configs/default.yaml")
     assert mesh.envoy.http_listen == "127.0.0.1:8000"
     assert [e.instance_id for e in mesh.node_agents[0].engines] == ["sim-0", "sim-1"]
-    assert mesh.coordinator.scheduler.policy == "least_load"
+    assert mesh.coordinator.scheduler.policy == "kv_affinity"
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,11 @@ def test_formulas(params, candidate, isl, matched, cost):
     [
         # blend: the holder of the prefix wins while its load is low ...
         ({}, [cand("a", npu=8), cand("b")], "a"),
-        # ... and loses when its load outweighs the saved prefill (128 saved < 200 queued)
-        ({}, [cand("a", npu=8, decode=200), cand("b")], "b"),
+        # ... and loses when its load outweighs the saved prefill (128 saved < 0.5 * 300 queued prefill)
+        ({}, [cand("a", npu=8, prefill=300), cand("b")], "b"),
+        # a decode token left weighs a quarter of a prefill token: 0.5 * 0.25 * 800 = 100 < 128 saved
+        ({}, [cand("a", npu=8, decode=800), cand("b")], "a"),
+        ({"decode_load_weight": 1.0}, [cand("a", npu=8, decode=800), cand("b")], "b"),
         ({"load_weight": 0.1}, [cand("a", npu=8, decode=200), cand("b")], "a"),
         ({"prefill_load_scale": 0.0}, [cand("a", npu=8, decode=5), cand("b")], "b"),
         # prefix: longest match whatever the load

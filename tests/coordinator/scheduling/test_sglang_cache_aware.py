@@ -1,6 +1,6 @@
 import pytest
 
-from coordinator.scheduling import create_policy
+from coordinator.scheduling import RequestFacts, create_policy
 from tests.coordinator.scheduling.fakes import cand, facts
 
 
@@ -20,7 +20,21 @@ from tests.coordinator.scheduling.fakes import cand, facts
     ],
 )
 def test_decisions(candidates, expected):
-    assert create_policy("sglang_cache_aware").pick(facts(isl=160), candidates).instance_id == expected
+    policy = create_policy("sglang_cache_aware", {"tree": "kv_events"})
+    assert policy.pick(facts(isl=160), candidates).instance_id == expected
+
+
+def test_routed_prompts_enter_the_chosen_workers_tree_at_routing_time():
+    # As SGLang's router: the prompt is inserted into the chosen worker's tree when routed, before any engine
+    # reports caching it; the conductor's facts are not used.
+    policy = create_policy("sglang_cache_aware")
+    first = RequestFacts("r1", "m", 160, 16, prompt_hashes=tuple(range(10)))
+    cands = [cand("a"), cand("b", npu=10)]
+    assert policy.pick(first, cands).instance_id == "a"  # nothing routed yet: smallest tree, id order
+    burst = RequestFacts("r2", "m", 160, 16, prompt_hashes=tuple(range(10)))
+    assert policy.pick(burst, [cand("b", npu=10), cand("a")]).instance_id == "a"  # a's tree: 10 blocks
+    other = RequestFacts("r3", "m", 160, 16, prompt_hashes=(99, 98))
+    assert policy.pick(other, cands).instance_id == "b"  # no match: smallest tree
 
 
 def test_below_threshold_goes_to_the_smallest_tree():
