@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
@@ -27,11 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-    try:
-        runner(server.run())
+        uvloop.run(server.run())
     except OSError as e:
         print(f"simengine: error: {e}", file=sys.stderr)
         return 1

@@ -89,6 +89,8 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         h = block.block_hash
+        if h is None:  # never cached: nothing to drop or announce
+            return
         holders = self.cached.get(h)
         if holders is not None and holders.pop(block.block_id, None) is block:
             if not holders:

@@ -65,9 +65,11 @@ class KVCacheManager:
         self.hits = 0
 
     def _offload(self, block: KVBlock) -> None:
+        assert block.block_hash is not None  # only cached blocks are evicted to a lower tier
         self.cpu.put(block.block_hash, block.parent_hash, block.token_ids or [])
 
     def _offload_disk(self, block: KVBlock) -> None:
+        assert block.block_hash is not None  # only cached blocks are evicted to a lower tier
         self.disk.put(block.block_hash, block.parent_hash, block.token_ids or [])
 
     def usage(self) -> float:

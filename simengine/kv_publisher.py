@@ -157,7 +157,7 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(config.buffer_steps, 1))
         self._encoder = msgspec.msgpack.Encoder()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._pair_addr = f"inproc://simengine-kv-{id(self)}-{next(_pair_ids)}"
         self._in = self._ctx.socket(zmq.PAIR)
         self._in.bind(self._pair_addr)
@@ -167,11 +167,13 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
+        if not self.endpoint:
+            raise ValueError("kv_events.endpoint: required when KV events are enabled")
         if should_bind(self.endpoint):
             self._pub.bind(self.endpoint)
         else:
             self._pub.connect(self.endpoint)
-        self._replay = None
+        self._replay: zmq.Socket | None = None
         if self.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
@@ -219,7 +221,9 @@ class ZmqEventPublisher:
         self._buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+        replay = self._replay
+        assert replay is not None  # polled only when bound
+        frames = replay.recv_multipart()
         if len(frames) != 3:
             log.warning("invalid replay request with %d frames", len(frames))
             return
@@ -228,13 +232,13 @@ class ZmqEventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
                 if self.legacy:
-                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                    replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
                 else:
-                    self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                    replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
         if self.legacy:
-            self._replay.send_multipart((client, b"", END_SEQ, b""))
+            replay.send_multipart((client, b"", END_SEQ, b""))
         else:
-            self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def shutdown(self) -> None:
         try:

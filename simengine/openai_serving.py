@@ -108,7 +108,11 @@ class OpenAIServing:
 
     def text_of(self, tokens: list[int]) -> str:
         text = self._text
-        return "".join([text[t] if t in text else (self._piece(t) and text[t]) for t in tokens])
+        return "".join([text[t] if t in text else self._text_of_new(t) for t in tokens])
+
+    def _text_of_new(self, tid: int) -> str:
+        self._piece(tid)  # decodes once and caches the text and its JSON form
+        return self._text[tid]
 
     # -- entry ------------------------------------------------------------------------------------------------
 

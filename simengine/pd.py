@@ -403,6 +403,7 @@ class KVConnector:
         for attempt in range(3):
             self.metrics.callbacks_sent.inc()
             try:
+                assert self._session is not None  # opened in start()
                 async with self._session.post(url, json=body) as resp:
                     if resp.status < 300:
                         return

@@ -38,6 +38,15 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def id_to_piece(self, tid: int) -> str:
+        """The text of one token id (as `/tokenize` reports `token_strs`)."""
+        ...
+
+    @property
+    def word_ids(self) -> list[int]:
+        """Ids of whole words, what simengine's sampler draws from."""
+        ...
+
     def apply_chat_template(
         self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True
     ) -> str: ...

@@ -19,10 +19,11 @@ SHARED = "You are a careful assistant. " + " ".join(f"rule{i} applies" for i in 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    running = RunningMesh(
-        mesh_config(engines=2, engine_args=["--speedup", "20"], policy="kv_affinity"),
-        tmp_path_factory.mktemp("kv"),
-    )
+    config = mesh_config(engines=2, engine_args=["--speedup", "20"], policy="kv_affinity")
+    # These tests check where the cache leads, not Match's latency: on a loaded 2-core machine the default 20 ms
+    # deadline turns some decisions into load-only fallbacks, which would spread the shared prefix.
+    config["coordinator"]["scheduler"]["match_timeout_ms"] = 1000
+    running = RunningMesh(config, tmp_path_factory.mktemp("kv"))
     running.start()
     yield running
     running.stop()
