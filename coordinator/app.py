@@ -7,17 +7,23 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.auth.v3 import external_auth_pb2_grpc as ea_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from coordinator import mesh_health, metrics
+from coordinator.access_log import AccessLogService
 from coordinator.attempts import AttemptRegistry
 from coordinator.config_watch import watch_config
+from coordinator.decision import Decider
+from coordinator.ext_authz import Authorization
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
 from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker, TokenizerCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
+from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
 from tandem.config import MeshConfig
@@ -34,6 +40,8 @@ from tandem.v1 import (  # noqa: F401 - conductor_pb2 and node_agent_pb2 put the
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+EXT_AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
+ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Coordinator:
     registry: RegistryService
     admin: AdminService
     matcher: ConductorMatcher
+    tickets: TicketTable
 
 
 def build(mesh: MeshConfig) -> Coordinator:
@@ -61,10 +70,19 @@ def build(mesh: MeshConfig) -> Coordinator:
     app = GrpcApp("coordinator", config.listen, config.metrics_listen)
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
-    ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
+    tickets = TicketTable(picker.ledger, config.ticket_lifetime_s, config.reconcile_grace_s)
+    decider = Decider(
+        picker, handoff, trigger, tickets, config.decision_inline_bytes, config.decision_threads
+    )
     registry = RegistryService(instances, config)
-    admin = AdminService(picker, ext_proc.counters, mesh)
+    admin = AdminService(picker, decider.counters, mesh)
+    # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
+    ext_proc = ExternalProcessor(decider, config.prefill_budget_s)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
+    app.add_service(EXT_AUTHZ_SERVICE, ea_grpc.add_AuthorizationServicer_to_server, Authorization(decider))
+    app.add_service(
+        ACCESS_LOG_SERVICE, als_pb2_grpc.add_AccessLogServiceServicer_to_server, AccessLogService(tickets)
+    )
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)
     app.add_service("tandem.v1.Admin", admin_pb2_grpc.add_AdminServicer_to_server, admin)
     metaserver = MetaserverService(trigger, config.replica)
@@ -72,9 +90,27 @@ def build(mesh: MeshConfig) -> Coordinator:
     # Reflection on Envoy's :9000 is answered here, so it describes every service the listener routes.
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
     metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
+    metrics.TICKETS.watch(tickets)
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
-    return Coordinator(app, picker, registry, admin, matcher)
+
+    async def close_decider() -> None:
+        decider.close()
+
+    app.on_stop(close_decider)
+    return Coordinator(app, picker, registry, admin, matcher, tickets)
+
+
+async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interval_s: float) -> None:
+    """Releases tickets past their lifetime, and unconfirmed ones whose engines report idle."""
+    while True:
+        await asyncio.sleep(interval_s)
+        expired = tickets.expire()
+        if expired:
+            log.warning("tickets expired without an access log entry", extra={"count": len(expired)})
+        reconciled = tickets.reconcile({s.info.instance_id: s.load for s in instances.all()})
+        if reconciled:
+            log.info("tickets reconciled with idle engines", extra={"count": len(reconciled)})
 
 
 async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
@@ -95,6 +131,7 @@ async def run(mesh: MeshConfig) -> None:
     async def after_start() -> None:
         c.matcher.start()
         tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.heartbeat_interval_s)))
+        tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))
         tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
         if mesh.path:

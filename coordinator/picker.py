@@ -162,9 +162,12 @@ class EndpointPicker:
     def _commit(self, state: InstanceState, prefill: int, decode: int, context: int) -> Commitment:
         return self.ledger.commit(state.info.instance_id, prefill, decode, context)
 
-    async def decide(self, api: str, raw_body: bytes, request_id: str) -> Decision:
-        """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503)."""
-        request = self.understand(api, raw_body)
+    async def decide(
+        self, api: str, raw_body: bytes, request_id: str, request: OpenAIRequest | None = None
+    ) -> Decision:
+        """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503).
+        `request` is the body already understood (off the event loop, for large bodies)."""
+        request = request or self.understand(api, raw_body)
         model, isl, out = request.model, request.prompt_tokens, request.max_tokens
         mode = self.mode_of(model)
         if mode == AGGREGATED:

@@ -23,6 +23,10 @@ from tandem.config import MeshConfig
 from tandem.netaddr import split_host_port
 
 DESTINATION_HEADER = "x-tandem-destination"
+#: The dynamic-metadata namespace of the ext_proc decision (coordinator.access_log.METADATA_NAMESPACE).
+METADATA_NAMESPACE = "tandem"
+#: The paths the coordinator routes (coordinator.openai_request.ROUTED_PATHS).
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 NODE_HEADER = "tandem-node"
 _BUFFER_LIMIT = 32 * 1024 * 1024  # bodies are buffered for ext_proc: allow long prompts
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -77,7 +81,27 @@ def _hcm(prefix: str, routes: list[dict[str, Any]], filters: list[dict[str, Any]
     }
 
 
-def _ingress(mesh: MeshConfig) -> dict[str, Any]:
+def _access_log(mesh: MeshConfig) -> dict[str, Any]:
+    """Envoy's gRPC access log to the coordinator: one entry per ingress request when its HTTP stream ends
+    (completed, failed or cut by the client), carrying the decision's ticket in its dynamic metadata. This is
+    how the coordinator learns a routed request ended and releases its workload."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "tandem_ingress",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "coordinator"}},
+                "buffer_flush_interval": f"{mesh.envoy.access_log_flush_ms / 1000:g}s",
+            },
+        },
+    }
+
+
+def _ext_proc_ingress(mesh: MeshConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Filters and routes of the ext_proc decision path: one body message each way."""
+    timeout = mesh.envoy.ext_proc_timeout_ms / 1000
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -85,17 +109,100 @@ def _ingress(mesh: MeshConfig) -> dict[str, Any]:
             "grpc_service": {"envoy_grpc": {"cluster_name": "coordinator"}},
             # Never forward a request the coordinator did not route.
             "failure_mode_allow": False,
-            "message_timeout": f"{mesh.envoy.ext_proc_timeout_ms / 1000:g}s",
+            "message_timeout": f"{timeout:g}s",
             # The coordinator extends the timer of a reply that waits for P/D prefill legs, up to this.
-            "max_message_timeout": f"{max(mesh.coordinator.prefill_budget_s, mesh.envoy.ext_proc_timeout_ms / 1000):g}s",
+            "max_message_timeout": f"{max(mesh.coordinator.prefill_budget_s, timeout):g}s",
+            # Sent with the body: the headers themselves are not.
+            "request_attributes": ["request.path", "request.method", "request.id"],
+            # The decision comes back as dynamic metadata in this namespace (destination, request id, ticket).
+            "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+            # Only the buffered body goes to the coordinator; after its reply the stream closes.
             "processing_mode": {
-                "request_header_mode": "SEND",
+                "request_header_mode": "SKIP",
                 "response_header_mode": "SKIP",
                 "request_body_mode": "BUFFERED",
                 "response_body_mode": "NONE",
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",
             },
+        },
+    }
+    # With request headers skipped, ext_proc lets the headers through at once; this holds them until the body
+    # (and so the decision) has been through ext_proc, so that the router picks the upstream after the decision.
+    buffer = {
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+            "max_request_bytes": _BUFFER_LIMIT,
+        },
+    }
+    routed = [
+        {
+            "match": {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
+            "route": {"cluster": "engines", "timeout": "0s"},
+            # The engine sees the request id the coordinator chose (trigger mode numbers attempts).
+            "request_headers_to_add": [
+                {
+                    "header": {
+                        "key": "x-request-id",
+                        "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:request_id)%",
+                    },
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            ],
+        }
+        for path in ROUTED_PATHS
+    ]
+    # Everything else (/v1/models, health, wrong method or path) sends its headers instead and is answered by the
+    # coordinator at once; the direct response is never reached.
+    headers_only = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SKIP",
+                "request_body_mode": "NONE",
+                "response_body_mode": "NONE",
+            }
+        },
+    }
+    # A body-less POST to a routed path would send ext_proc nothing: it gets the headers-only treatment too.
+    empty = {
+        "match": {"prefix": "/", "headers": [{"name": "content-length", "string_match": {"exact": "0"}}]},
+        "direct_response": {"status": 503, "body": {"inline_string": _NO_DESTINATION}},
+        "typed_per_filter_config": {"envoy.filters.http.ext_proc": headers_only},
+    }
+    other = {
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 503, "body": {"inline_string": _NO_DESTINATION}},
+        "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
+        "typed_per_filter_config": {"envoy.filters.http.ext_proc": headers_only},
+    }
+    return [ext_proc, buffer], [empty, *routed, other]
+
+
+def _ext_authz_ingress(mesh: MeshConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Filters and routes of the ext_authz decision path: one unary Check with the body."""
+    ext_authz = {
+        "name": "envoy.filters.http.ext_authz",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": "coordinator"},
+                "timeout": f"{mesh.envoy.ext_proc_timeout_ms / 1000:g}s",
+            },
+            "transport_api_version": "V3",
+            # Never forward a request the coordinator did not route; if it cannot be reached, a 503.
+            "failure_mode_allow": False,
+            "status_on_error": {"code": "ServiceUnavailable"},
+            # The whole body goes with the Check (the coordinator needs the prompt), as bytes.
+            "with_request_body": {
+                "max_request_bytes": _BUFFER_LIMIT,
+                "allow_partial_message": False,
+                "pack_as_bytes": True,
+            },
+            # The destination header the coordinator sets picks the route below.
+            "clear_route_cache": True,
         },
     }
     routes = [
@@ -109,11 +216,36 @@ def _ingress(mesh: MeshConfig) -> dict[str, Any]:
             "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
         },
     ]
+    return [ext_authz], routes
+
+
+def _ingress(mesh: MeshConfig) -> dict[str, Any]:
+    if mesh.decision_path == "ext_authz":
+        filters, routes = _ext_authz_ingress(mesh)
+    else:
+        filters, routes = _ext_proc_ingress(mesh)
+    hcm = _hcm("ingress", routes, filters)
+    hcm["typed_config"]["access_log"] = [_access_log(mesh)]
+    # Should a request reach the engines without a destination (it cannot, short of a bug), the client still gets
+    # an OpenAI-shaped 503 rather than Envoy's plain text.
+    hcm["typed_config"]["local_reply_config"] = {
+        "mappers": [
+            {
+                "filter": {"response_flag_filter": {"flags": ["UH"]}},
+                "status_code": 503,
+                "body": {"inline_string": _NO_DESTINATION},
+                "body_format_override": {
+                    "text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"},
+                    "content_type": "application/json",
+                },
+            }
+        ]
+    }
     return {
         "name": "ingress",
         "address": _socket(mesh.envoy.http_listen),
         "per_connection_buffer_limit_bytes": _BUFFER_LIMIT,
-        "filter_chains": [{"filters": [_hcm("ingress", routes, [ext_proc])]}],
+        "filter_chains": [{"filters": [hcm]}],
     }
 
 
@@ -157,6 +289,13 @@ def _grpc_listener(mesh: MeshConfig, descriptor: Path) -> dict[str, Any]:
     }
 
 
+def _original_dst(mesh: MeshConfig) -> dict[str, Any]:
+    """Where the `engines` cluster reads the chosen engine's `host:port` from."""
+    if mesh.decision_path == "ext_authz":
+        return {"use_http_header": True, "http_header_name": DESTINATION_HEADER}
+    return {"metadata_key": {"key": METADATA_NAMESPACE, "path": [{"key": "destination"}]}}
+
+
 def build_envoy_config(mesh: MeshConfig, descriptor: Path) -> dict[str, Any]:
     """The Envoy bootstrap for `mesh`; `descriptor` is the `tandem.v1` descriptor set (with imports)."""
     clusters = [
@@ -166,7 +305,7 @@ def build_envoy_config(mesh: MeshConfig, descriptor: Path) -> dict[str, Any]:
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "5s",
             "per_connection_buffer_limit_bytes": _BUFFER_LIMIT,
-            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+            "original_dst_lb_config": _original_dst(mesh),
             "circuit_breakers": {
                 "thresholds": [
                     {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}
