@@ -7,9 +7,10 @@ mode: close the attempt, which cancels a prefill leg still in flight).
 
 ALS is at-most-once: entries logged while no stream is connected are lost (Envoy counts none as dropped). So:
 - every ticket has a lifetime; past it the ticket is released whatever happened (`expire`);
-- a ticket that was outstanding while no ALS stream was connected is *unconfirmed*: it is also released when
-  every engine it uses reports no request running or waiting in a sample taken at least `grace_s` after the
-  ticket was issued (`reconcile`), which is what the engines themselves say about the lost entries;
+- a ticket that was outstanding while no ALS stream was connected, or whose request Envoy logged without it
+  (the reply was dropped as the client left), is *unconfirmed*: it is also released when every engine it uses
+  reports no request running or waiting in a sample taken at least `grace_s` after the decision left
+  (`reconcile`), which is what the engines themselves say about the lost entries;
 - a coordinator that restarts starts with an empty table and a new incarnation prefix: entries for the old
   incarnation's tickets are unknown here and ignored (its ledger died with it).
 
@@ -57,9 +58,14 @@ class Ticket:
     issued_at: float  # wall clock
     expires_at: float  # wall clock
     on_end: Callable[[], None] | None = None  # run once when the ticket ends (before the release)
-    routed: bool = False  # the reply left for Envoy: only Envoy's log, expiry or reconcile end it now
+    routed_at: float = 0.0  # wall clock when the reply left for Envoy; 0 until then
     unconfirmed: bool = False  # outstanding while no ALS stream was connected: its entry may be lost
     ended: str = ""  # why it ended; "" while outstanding
+
+    @property
+    def routed(self) -> bool:
+        """The reply left for Envoy: only Envoy's log, expiry or reconcile end the ticket now."""
+        return self.routed_at > 0
 
     @property
     def instance_ids(self) -> set[str]:
@@ -127,16 +133,9 @@ class TicketTable:
             self._by_request[request_id] = ticket
         return ticket
 
-    def hold(self, ticket: Ticket, commitment: Commitment) -> None:
-        """Adds a commitment to an outstanding ticket (released with it); released at once if it has ended."""
-        if ticket.ended:
-            self.ledger.release(commitment)
-        else:
-            ticket.commitments.append(commitment)
-
     def routed(self, ticket: Ticket) -> None:
         """The decision left for Envoy: from now on only Envoy's log (or expiry, or reconcile) ends the ticket."""
-        ticket.routed = True
+        ticket.routed_at = self.clock() or 1e-9
 
     def abort(self, ticket: Ticket) -> bool:
         """The decision never reached Envoy (an error, or the request went away while it was being made):
@@ -189,13 +188,14 @@ class TicketTable:
         return self._streams
 
     def reconcile(self, loads: Mapping[str, EngineSample]) -> list[str]:
-        """Ends unconfirmed tickets whose engines all report nothing running or waiting, in a sample taken at
-        least `grace_s` after the ticket was issued; returns their ids."""
+        """Ends unconfirmed routed tickets whose engines all report nothing running or waiting, in a sample
+        taken at least `grace_s` after the decision left (a decision still being made, say during a handoff
+        prefill leg, is never reconciled); returns their ids."""
         done = []
         for ticket in list(self._tickets.values()):
-            if not ticket.unconfirmed or not ticket.commitments:
+            if not ticket.unconfirmed or not ticket.routed or not ticket.commitments:
                 continue
-            settled = ticket.issued_at + self.grace_s
+            settled = ticket.routed_at + self.grace_s
             idle = True
             for iid in ticket.instance_ids:
                 load = loads.get(iid)
