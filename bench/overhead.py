@@ -30,8 +30,8 @@ import yaml
 from bench.harness import mesh_config
 from bench.peers import PEERS, start_peer, version
 from bench.replay import percentile
-from tandem.config import parse_mesh_config
-from tandem.up import Mesh
+from mesh.config import parse_mesh_config
+from mesh.up import Mesh
 from tandem.version import __version__
 
 _TICK = os.sysconf("SC_CLK_TCK")

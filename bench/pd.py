@@ -26,9 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.harness import mesh_config
 from bench.replay import replay
 from bench.trace import load_trace
-from tandem.config import parse_mesh_config
+from mesh.config import parse_mesh_config
+from mesh.up import Mesh
 from tandem.tokenizer import load_tokenizer
-from tandem.up import Mesh
 from tandem.version import __version__
 
 MODES = {"handoff": ("prefill_handoff_decode", "NixlConnector"),

@@ -30,9 +30,9 @@ from bench.harness import mesh_config
 from bench.peers import PEERS, start_peer
 from bench.replay import ReplayResult, replay
 from bench.trace import load_trace
-from tandem.config import parse_mesh_config
+from mesh.config import parse_mesh_config
+from mesh.up import Mesh
 from tandem.tokenizer import load_tokenizer
-from tandem.up import Mesh
 from tandem.version import __version__
 
 #: Parameters of "kv_affinity_tuned", from the fleet simulator's sweep (`python -m bench.fleet sweep`).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -14,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from coordinator import mesh_health, metrics
 from coordinator.access_log import AccessLogService
 from coordinator.attempts import AttemptRegistry
+from coordinator.config import MeshView
 from coordinator.config_watch import watch_config
 from coordinator.decision import Decider
 from coordinator.ext_authz import Authorization
@@ -26,7 +28,6 @@ from coordinator.services import AdminService, MetaserverService, RegistryServic
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
-from tandem.config import MeshConfig
 from tandem.grpc_server import GrpcApp
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import (  # noqa: F401 - conductor_pb2 and node_agent_pb2 put their descriptors in reflection's pool
@@ -56,7 +57,7 @@ class Coordinator:
     tickets: TicketTable
 
 
-def build(mesh: MeshConfig) -> Coordinator:
+def build(mesh: MeshView) -> Coordinator:
     """The coordinator's gRPC app, ready to run."""
     config = mesh.coordinator
     instances = InstanceTable(m.name for m in mesh.models)
@@ -123,8 +124,8 @@ async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
             publish_instance_counts(picker.instances)
 
 
-async def run(mesh: MeshConfig) -> None:
-    """Serves until SIGTERM."""
+async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -> None:
+    """Serves until SIGTERM; `reload(path)` re-reads the mesh file when it changes (scheduler hot reload)."""
     c = build(mesh)
     tasks: list[asyncio.Task] = []
 
@@ -134,8 +135,8 @@ async def run(mesh: MeshConfig) -> None:
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))
         tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
-        if mesh.path:
-            tasks.append(asyncio.create_task(watch_config(mesh, c.picker, c.matcher)))
+        if mesh.path and reload is not None:
+            tasks.append(asyncio.create_task(watch_config(mesh, reload, c.picker, c.matcher)))
 
     async def cancel_tasks() -> None:
         for task in tasks:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,6 +16,12 @@ log = logging.getLogger(__name__)
 
 #: Built-in policy types whose parameters may be set in a section of `scheduler` named after the type.
 PARAM_SECTIONS = ("kv_affinity", "dynamo", "sglang_cache_aware", "llm_d")
+
+
+def _params(policy_type: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` parameters of `policy_type` validated and completed with the defaults (an error names the key)."""
+    policy: Any = create_policy(policy_type, raw)  # every built-in keeps its frozen `params` dataclass
+    return as_dict(policy.params)
 
 
 class PolicySpec(BaseModel):
@@ -76,7 +83,7 @@ class SchedulerConfig(BaseModel):
     def _check_policies(self) -> SchedulerConfig:
         types = policy_types()
         for section in PARAM_SECTIONS:
-            setattr(self, section, as_dict(create_policy(section, getattr(self, section)).params))
+            setattr(self, section, _params(section, getattr(self, section)))
         names: set[str] = set()
         for spec in self.policies:
             if spec.name in names or spec.name in types:
@@ -86,7 +93,7 @@ class SchedulerConfig(BaseModel):
                 raise ValueError(
                     f"policies.{spec.name}.type: unknown policy type {spec.type!r} (known: {', '.join(types)})"
                 )
-            spec.params = as_dict(create_policy(spec.type, spec.params).params)
+            spec.params = _params(spec.type, spec.params)
         if self.policy not in types and self.policy not in names:
             known = ", ".join([*types, *sorted(names)])
             raise ValueError(f"policy: unknown scheduling policy {self.policy!r} (known: {known})")
@@ -156,3 +163,49 @@ class CoordinatorConfig(BaseModel):
     def prefill_budget_s(self) -> float:
         """The longest the coordinator may hold a request while prefill legs run (Envoy's message timer)."""
         return self.prefill_timeout_s * self.prefill_attempts + 5.0
+
+
+class _Model(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def tokenizer(self) -> str | None: ...
+
+
+class _Listener(Protocol):
+    @property
+    def listen(self) -> str: ...
+
+
+class MeshView(Protocol):
+    """What the coordinator reads of the mesh file. `mesh.config.MeshConfig` provides it: the layer above composes
+    the file and hands it down, so the coordinator imports neither that layer nor the other components."""
+
+    @property
+    def path(self) -> str:
+        """The file the config came from ("" when built in code): watched for scheduler reloads."""
+        ...
+
+    @property
+    def coordinator(self) -> CoordinatorConfig:
+        """This process's section; its `scheduler` is replaced on reload."""
+        ...
+
+    @property
+    def conductor(self) -> _Listener:
+        """Where the conductor's Match service listens."""
+        ...
+
+    @property
+    def models(self) -> Sequence[_Model]:
+        """The models the mesh serves, with their tokenizers."""
+        ...
+
+    @property
+    def metaserver_url(self) -> str:
+        """The callback URL decode engines get in trigger mode."""
+        ...
+
+    def model_dump(self, *, mode: Any = ..., exclude: Any = ...) -> dict[str, Any]:
+        """The whole effective config (Admin/GetConfig, reload comparisons)."""
+        ...

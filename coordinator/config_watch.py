@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 
+from coordinator.config import MeshView
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker
-from tandem.config import ConfigError, MeshConfig, load_mesh_config
+from tandem.config_file import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +22,7 @@ def _mtime(path: str) -> float:
         return 0
 
 
-def apply_scheduler_change(running: MeshConfig, fresh: MeshConfig, picker: EndpointPicker, matcher) -> bool:
+def apply_scheduler_change(running: MeshView, fresh: MeshView, picker: EndpointPicker, matcher) -> bool:
     """Switches to `fresh`'s scheduler when it differs; True when it did."""
     old, new = running.coordinator.scheduler, fresh.coordinator.scheduler
     if old.model_dump() == new.model_dump():
@@ -39,7 +41,11 @@ def apply_scheduler_change(running: MeshConfig, fresh: MeshConfig, picker: Endpo
 
 
 async def watch_config(
-    running: MeshConfig, picker: EndpointPicker, matcher: ConductorMatcher | None, interval_s: float = 1.0
+    running: MeshView,
+    load: Callable[[str], MeshView],
+    picker: EndpointPicker,
+    matcher: ConductorMatcher | None,
+    interval_s: float = 1.0,
 ) -> None:
     """Polls the file's modification time; a bad new file is logged and the running scheduler kept."""
     last = _mtime(running.path)
@@ -50,7 +56,7 @@ async def watch_config(
             continue
         last = now
         try:
-            fresh = load_mesh_config(running.path)
+            fresh = load(running.path)
         except ConfigError as exc:
             log.error("config reload failed, keeping the running scheduler", extra={"error": str(exc)})
             continue

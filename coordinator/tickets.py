@@ -57,7 +57,7 @@ class Ticket:
     request_id: str  # the request's id as Envoy logs it when the decision did not reach the route
     issued_at: float  # wall clock
     expires_at: float  # wall clock
-    on_end: Callable[[], None] | None = None  # run once when the ticket ends (before the release)
+    on_end: Callable[[], object] | None = None  # run once when the ticket ends (before the release)
     routed_at: float = 0.0  # wall clock when the reply left for Envoy; 0 until then
     unconfirmed: bool = False  # outstanding while no ALS stream was connected: its entry may be lost
     ended: str = ""  # why it ended; "" while outstanding
@@ -115,7 +115,7 @@ class TicketTable:
         self,
         commitments: Iterable[Commitment],
         request_id: str = "",
-        on_end: Callable[[], None] | None = None,
+        on_end: Callable[[], object] | None = None,
     ) -> Ticket:
         """A new outstanding ticket holding `commitments` (already committed to the ledger)."""
         now = self.clock()

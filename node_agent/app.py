@@ -18,7 +18,7 @@ from node_agent.service import NodeAgentService
 from node_agent.services import ServiceError, build_services
 from node_agent.supervisor import EngineState, EngineSupervisor
 from node_agent.systemd import SystemdNotify
-from tandem.config import ConfigError, MeshConfig
+from tandem.config_file import ConfigError
 from tandem.grpc_server import GrpcApp
 from tandem.netaddr import split_host_port
 from tandem.v1 import node_agent_pb2_grpc
@@ -100,20 +100,20 @@ class NodeAgent:
         await self.link.close()
 
 
-async def run(mesh: MeshConfig, node_id: str | None, placement: Placement | None = None) -> None:
-    """Serves one node until SIGTERM."""
-    config = mesh.node_agent(node_id)
+async def run(
+    config: NodeAgentConfig,
+    coordinator_address: str,
+    conductor_address: str,
+    source: str,
+    placement: Placement | None = None,
+) -> None:
+    """Serves one node until SIGTERM. The layer above resolves the addresses; `source` names the config file."""
     try:
         placement = placement or Placement.from_env()
-        agent = NodeAgent(
-            config,
-            config.coordinator_address or mesh.coordinator.listen,
-            config.conductor_address or mesh.conductor.listen,
-            placement,
-        )
+        agent = NodeAgent(config, coordinator_address, conductor_address, placement)
         agent.prepare()
     except (LaunchError, ServiceError) as exc:
-        raise ConfigError(f"{mesh.path}: node_agents {config.node_id!r}: {exc}") from None
+        raise ConfigError(f"{source}: node_agents {config.node_id!r}: {exc}") from None
     notify = SystemdNotify()
     REGISTRY.register(AgentCollector(agent))
     app = GrpcApp(f"node-agent {config.node_id}", config.listen, config.metrics_listen, grace=2.0)

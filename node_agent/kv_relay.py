@@ -30,9 +30,9 @@ import grpc
 import zmq
 import zmq.asyncio
 
-from conductor.convert import batch_to_pb
 from tandem.kv_events import KvEventDecodeError, decode_batch
 from tandem.kv_sockets import live_batches, replay_batches
+from tandem.kv_wire import batch_to_pb
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
 log = logging.getLogger(__name__)

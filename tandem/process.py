@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
-from tandem.config import ConfigError, MeshConfig, load_mesh_config
+from tandem.config_file import ConfigError
 from tandem.logs import setup_logging
 
+C = TypeVar("C")
 
-def run_component(component: str, config_path: str, main: Callable[[MeshConfig], Awaitable[None]]) -> int:
-    """Loads the mesh config and runs `main(config)` on uvloop; a config error exits 2 with one line."""
+
+def run_component(
+    component: str, load: Callable[[], C], main: Callable[[C], Coroutine[Any, Any, None]]
+) -> int:
+    """Runs `main(load())` on uvloop; a config error (at load or start) exits 2 with one line."""
     setup_logging(component)
     try:
-        config = load_mesh_config(config_path)
+        config = load()
     except ConfigError as exc:
         print(f"tandem {component}: config error: {exc}", file=sys.stderr)
         return 2

@@ -156,13 +156,19 @@ def test_bad_configuration_exits_with_one_line(tmp_path):
     cfg = tmp_path / "mesh.yaml"
     cfg.write_text("conductor:\n  listen: 0.0.0.0:9200\n")
     out = subprocess.run(
-        [sys.executable, "-m", "conductor", "--config", str(cfg)], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "mesh", "conductor", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 2
     assert "config error" in out.stderr and "conductor.listen" in out.stderr and "127.0.0.1" in out.stderr
     cfg.write_text("conductor:\n  max_entriez: 5\n")
     out = subprocess.run(
-        [sys.executable, "-m", "conductor", "--config", str(cfg)], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "mesh", "conductor", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 2 and "max_entriez" in out.stderr
 
@@ -171,7 +177,7 @@ async def test_process_serves_and_stops_on_sigterm():
     port, mport = _free_port(), _free_port()
     env = {**os.environ, "TANDEM_NO_BANNER": "1"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "conductor", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
+        sys.executable, "-m", "mesh", "conductor", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
         env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from coordinator.config_watch import watch_config
-from tandem.config import ConfigError, load_mesh_config, parse_mesh_config
+from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
 from tests.coordinator.test_picker import make_picker
 
 
@@ -76,7 +76,7 @@ async def test_scheduler_reloads_when_the_file_changes(tmp_path, caplog):
     path.write_text(yaml.safe_dump({"coordinator": {"scheduler": {"policy": "least_load"}}}))
     running = load_mesh_config(path)
     picker = make_picker()
-    watcher = asyncio.create_task(watch_config(running, picker, None, interval_s=0.02))
+    watcher = asyncio.create_task(watch_config(running, load_mesh_config, picker, None, interval_s=0.02))
     try:
         await asyncio.sleep(0.05)  # the watcher has read the file's first modification time
         path.write_text(yaml.safe_dump({"coordinator": {"scheduler": {"policy": "kv_affinity"}}}))

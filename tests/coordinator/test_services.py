@@ -8,7 +8,7 @@ import yaml
 
 from bench.harness import mesh_config
 from coordinator.app import build
-from tandem.config import parse_mesh_config
+from mesh.config import parse_mesh_config
 from tandem.v1 import (
     admin_pb2,
     admin_pb2_grpc,

@@ -45,7 +45,7 @@ class RunningMesh:
             [
                 sys.executable,
                 "-m",
-                "tandem.cli",
+                "mesh",
                 "up",
                 "--config",
                 str(self.config_path),

@@ -34,7 +34,7 @@ def mesh(request, tmp_path):
 
 
 def coordinator_pid(mesh: RunningMesh) -> int:
-    (pid,) = processes_mentioning(f"-m coordinator --config {mesh.config_path}")
+    (pid,) = processes_mentioning(f"-m mesh coordinator --config {mesh.config_path}")
     return pid
 
 
@@ -82,7 +82,9 @@ def test_streams_routed_before_a_coordinator_crash_complete(mesh):
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS  # the whole answer arrived
     # `tandem up` restarts the coordinator; the agent registers its engines again.
     mesh.wait_for(
-        lambda: processes_mentioning(f"-m coordinator --config {mesh.config_path}") not in ([], [victim]),
+        lambda: (
+            processes_mentioning(f"-m mesh coordinator --config {mesh.config_path}") not in ([], [victim])
+        ),
         30,
         "restart",
     )

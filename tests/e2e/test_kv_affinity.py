@@ -107,7 +107,7 @@ def conductor_pids(mesh) -> list[int]:
     return [
         p
         for p in processes_mentioning(str(mesh.config_path))
-        if b"-m\0conductor" in open(f"/proc/{p}/cmdline", "rb").read()
+        if b"-m\0mesh\0conductor" in open(f"/proc/{p}/cmdline", "rb").read()
     ]
 
 

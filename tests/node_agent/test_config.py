@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.config import ConfigError, parse_mesh_config
+from mesh.config import ConfigError, parse_mesh_config
 
 
 def agent(engines=None, **fields) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mesh.config import load_mesh_config
 from node_agent.launch import Placement, build_launch
-from tandem.config import load_mesh_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

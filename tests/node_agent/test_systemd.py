@@ -95,7 +95,7 @@ def test_agent_sends_ready_then_watchdog(tmp_path):
     env = {**os.environ, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "300000", "TANDEM_NO_BANNER": "1"}
     env.pop("WATCHDOG_PID", None)
     agent = subprocess.Popen(
-        [sys.executable, "-m", "node_agent", "--config", str(config)], env=env, cwd=ROOT,
+        [sys.executable, "-m", "mesh", "agent", "--config", str(config)], env=env, cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

@@ -1,4 +1,4 @@
-"""`tandem import-vllm` on real-looking vLLM-Ascend launch scripts (tests/tandem/fixtures/vllm_scripts/)."""
+"""`tandem import-vllm` on real-looking vLLM-Ascend launch scripts (tests/mesh/fixtures/vllm_scripts/)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh.cli import main as cli
+from mesh.import_vllm import ImportError_, import_script
 from node_agent.config import NodeAgentConfig
 from node_agent.launch import Placement, build_launch
-from tandem.cli import main as cli
-from tandem.import_vllm import ImportError_, import_script
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "vllm_scripts"
 

@@ -9,17 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
 from node_agent.config import NodeAgentConfig
+from tandem.config_file import ConfigError, read_yaml, validate
 from tandem.netaddr import Address, is_wildcard, split_host_port
 
-
-class ConfigError(Exception):
-    """A configuration mistake, as one line that names the file and the key."""
+__all__ = ["ConfigError", "MeshConfig", "load_mesh_config", "parse_mesh_config"]
 
 
 class EnvoyConfig(BaseModel):
@@ -100,10 +98,6 @@ class MeshConfig(BaseModel):
         address = self.coordinator.metaserver_address or self.envoy.grpc_listen
         return f"http://{address}/v1/metaserver/{self.coordinator.replica}"
 
-    def tokenizer_for(self, model: str) -> str | None:
-        """The tokenizer directory of `model`, None for the built-in tokenizer."""
-        return next((m.tokenizer for m in self.models if m.name == model), None)
-
     def node_agent(self, node_id: str | None) -> NodeAgentConfig:
         """The agent section for `node_id`; the only one when `node_id` is None."""
         if node_id is None:
@@ -118,45 +112,13 @@ class MeshConfig(BaseModel):
         raise ConfigError(f"{self.path}: node_agents has no node_id {node_id!r}")
 
 
-def _location(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
 def parse_mesh_config(data: Any, path: str = "<config>") -> MeshConfig:
     """Validates a loaded YAML document; raises ConfigError naming the first bad key."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        config = MeshConfig.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            message = "unknown key"
-        where = f"{_location(err['loc'])}: " if err["loc"] else ""
-        raise ConfigError(f"{path}: {where}{message}") from None
-    except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    config = validate(MeshConfig, data, path)
     config.path = path
     return config
 
 
 def load_mesh_config(path: str | Path) -> MeshConfig:
     """Reads and validates the mesh file at `path`."""
-    path = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} invalid YAML: {getattr(exc, 'problem', exc)}") from None
-    return parse_mesh_config(data, path)
+    return parse_mesh_config(read_yaml(path), str(path))

@@ -1,6 +1,6 @@
 import pytest
 
-from tandem.config import ConfigError, load_mesh_config, parse_mesh_config
+from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
 
 
 def test_default_config_loads():

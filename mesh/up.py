@@ -22,8 +22,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.config import MeshConfig
-from tandem.envoy_config import write_envoy_config
+from mesh.config import MeshConfig
+from mesh.envoy import write_envoy_config
 from tandem.protogen import DESCRIPTOR
 from tandem.v1 import admin_pb2, admin_pb2_grpc
 
@@ -134,8 +134,12 @@ class Mesh:
         if not DESCRIPTOR.exists():
             raise StartError(f"{DESCRIPTOR} is missing: run `make protos`")
         py = sys.executable
-        conductor = self._component("conductor", [py, "-m", "conductor", "--config", self.config_path])
-        coordinator = self._component("coordinator", [py, "-m", "coordinator", "--config", self.config_path])
+        conductor = self._component(
+            "conductor", [py, "-m", "mesh", "conductor", "--config", self.config_path]
+        )
+        coordinator = self._component(
+            "coordinator", [py, "-m", "mesh", "coordinator", "--config", self.config_path]
+        )
         _wait(conductor, lambda: _grpc_serving(self.mesh.conductor.listen), 30)
         _wait(coordinator, lambda: _grpc_serving(self.mesh.coordinator.listen), 30)
         envoy_yaml = write_envoy_config(self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml")
@@ -144,7 +148,7 @@ class Mesh:
         envoy = self._component("envoy", envoy_argv)
         _wait(envoy, lambda: _http_ok(f"http://{self.mesh.envoy.admin_listen}/ready"), 30)
         for agent in self.mesh.node_agents:
-            argv = [py, "-m", "node_agent", "--config", self.config_path, "--node", agent.node_id]
+            argv = [py, "-m", "mesh", "agent", "--config", self.config_path, "--node", agent.node_id]
             component = self._component(f"agent-{agent.node_id}", argv)
             _wait(component, lambda a=agent: _grpc_serving(a.listen), 30)
 

@@ -12,10 +12,10 @@ from tandem.version import __version__
 @pytest.mark.parametrize(
     "argv",
     [
-        ["-m", "tandem.cli", "up"],
-        ["-m", "coordinator"],
-        ["-m", "conductor"],
-        ["-m", "node_agent"],
+        ["-m", "mesh", "up"],
+        ["-m", "mesh", "coordinator"],
+        ["-m", "mesh", "conductor"],
+        ["-m", "mesh", "agent"],
     ],
 )
 def test_bad_config_is_one_line_and_exit_2(tmp_path, argv):
@@ -41,5 +41,5 @@ def test_banner_has_version_and_role(monkeypatch):
 
 
 def test_version_flag():
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "--version"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "mesh", "--version"], capture_output=True, text=True)
     assert out.stdout.strip() == f"tandem {__version__}"

@@ -1,0 +1,149 @@
+"""The `tandem` command: `tandem up`, the components, and helpers for operators."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tandem.version import __version__
+
+if TYPE_CHECKING:
+    from mesh.config import MeshConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Tandem: a gRPC-first service mesh for LLM serving."
+    )
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="run the whole mesh on this machine (Ctrl-C stops it)")
+    p_up.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_up.add_argument("--run-dir", default="run", help="where logs and generated files go (default ./run)")
+    p_up.add_argument(
+        "--engine-timeout", type=float, default=120.0, help="seconds to wait for engines at start"
+    )
+    p_envoy = sub.add_parser("envoy-config", help="print the Envoy bootstrap generated from a mesh config")
+    p_envoy.add_argument("--config", required=True)
+    p_coord = sub.add_parser("coordinator", help="run the coordinator")
+    p_coord.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_cond = sub.add_parser("conductor", help="run the conductor (the KV index)")
+    p_cond.add_argument("--config", default=None, help="mesh config file (YAML); defaults without it")
+    p_cond.add_argument("--listen", help="gRPC address, overrides the config")
+    p_cond.add_argument("--metrics-listen", help="metrics address, overrides the config")
+    p_agent = sub.add_parser("agent", help="run a node agent")
+    p_agent.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_agent.add_argument(
+        "--node", default=None, help="node_id of this agent (optional when the file has one)"
+    )
+    p_agent.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this node's rank for cross-node engines (env TANDEM_NODE_RANK)",
+    )
+    p_agent.add_argument(
+        "--master-addr",
+        default=None,
+        help="head node address for cross-node engines (env TANDEM_MASTER_ADDR)",
+    )
+    p_import = sub.add_parser(
+        "import-vllm", help="print agent config (YAML) for a `vllm serve` launch script"
+    )
+    p_import.add_argument("script", help="a shell script that runs `vllm serve`")
+    p_import.add_argument(
+        "script_args", nargs="*", help="values of the script's $1, $2, ... (launcher templates)"
+    )
+    p_import.add_argument("--node-id", default="node-1", help="node_id of the generated node_agents entry")
+    p_import.add_argument(
+        "--instance-prefix", default=None, help="instance ids are PREFIX-0, ... (default: role)"
+    )
+    p_import.add_argument(
+        "--host", default=None, help="address engines are reached at (default: from the script)"
+    )
+    args = parser.parse_args(argv)
+    if args.command == "import-vllm":
+        from mesh.import_vllm import main as import_vllm
+
+        return import_vllm(args.script, args.script_args, args.node_id, args.instance_prefix, args.host)
+
+    from mesh.config import ConfigError, load_mesh_config
+
+    if args.command in ("up", "envoy-config"):
+        try:
+            mesh = load_mesh_config(args.config)
+        except ConfigError as exc:
+            print(f"tandem {args.command}: config error: {exc}", file=sys.stderr)
+            return 2
+        if args.command == "envoy-config":
+            from mesh.envoy import render_envoy_config
+            from tandem.protogen import DESCRIPTOR
+
+            print(render_envoy_config(mesh, DESCRIPTOR), end="")
+            return 0
+        from mesh.up import up
+
+        return up(mesh, args.config, Path(args.run_dir).resolve(), args.engine_timeout)
+    if args.command == "coordinator":
+        return _coordinator(args.config)
+    if args.command == "conductor":
+        return _conductor(args.config, args.listen, args.metrics_listen)
+    return _agent(args.config, args.node, args.node_rank, args.master_addr)
+
+
+def _coordinator(path: str) -> int:
+    from coordinator.app import run
+    from mesh.config import load_mesh_config
+    from tandem.process import run_component
+
+    return run_component(
+        "coordinator", lambda: load_mesh_config(path), lambda mesh: run(mesh, load_mesh_config)
+    )
+
+
+def _conductor(path: str | None, listen: str | None, metrics_listen: str | None) -> int:
+    from conductor.config import ConductorConfig
+    from conductor.serve import serve
+    from mesh.config import load_mesh_config, parse_mesh_config
+    from tandem.config_file import validate
+    from tandem.process import run_component
+
+    def load() -> ConductorConfig:
+        config = (load_mesh_config(path) if path else parse_mesh_config({}, "<defaults>")).conductor
+        overrides = {k: v for k, v in (("listen", listen), ("metrics_listen", metrics_listen)) if v}
+        if not overrides:
+            return config
+        return validate(ConductorConfig, {**config.model_dump(), **overrides}, "command line")
+
+    return run_component("conductor", load, serve)
+
+
+def _agent(path: str, node: str | None, node_rank: int | None, master_addr: str | None) -> int:
+    from mesh.config import load_mesh_config
+    from node_agent.app import run
+    from node_agent.launch import LaunchError, Placement
+    from tandem.process import run_component
+
+    try:
+        env = Placement.from_env()
+    except LaunchError as exc:
+        print(f"tandem agent: {exc}", file=sys.stderr)
+        return 2
+    placement = Placement(
+        node_rank if node_rank is not None else env.node_rank, master_addr or env.master_addr
+    )
+
+    def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
+        config = mesh.node_agent(node)
+        coordinator = config.coordinator_address or mesh.coordinator.listen
+        conductor = config.conductor_address or mesh.conductor.listen
+        return run(config, coordinator, conductor, mesh.path, placement)
+
+    return run_component("node-agent", lambda: load_mesh_config(path), main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

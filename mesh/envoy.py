@@ -1,0 +1,85 @@
+"""Envoy's bootstrap, rendered from the commented template `envoy/envoy.yaml.j2` and the mesh file.
+
+The template is the reference for what each listener, filter, cluster and timeout does and why; this module only
+computes the values it needs. The rendering keeps the template's comments, so `run/envoy.yaml` can be reviewed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+
+from coordinator.access_log import METADATA_NAMESPACE
+from coordinator.openai_request import ROUTED_PATHS
+from mesh.config import MeshConfig
+from tandem.netaddr import split_host_port
+
+#: The template (a folder of the repository, next to the components: Envoy is a process of the mesh).
+TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
+#: The header Envoy's ORIGINAL_DST cluster reads the engine's `host:port` from; only the coordinator sets it.
+DESTINATION_HEADER = "x-tandem-destination"
+#: The header that picks a node agent on the gRPC listener.
+NODE_HEADER = "tandem-node"
+#: Bodies are buffered for the coordinator's decision: the longest prompt a client may send.
+BUFFER_LIMIT = 32 * 1024 * 1024
+_NO_DESTINATION = (
+    '{"error": {"message": "The coordinator did not route this request.", '
+    '"type": "ServiceUnavailableError", "param": null, "code": 503}}'
+)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
+    """The bootstrap YAML for `mesh`, comments included; `descriptor` is the `tandem.v1` descriptor set."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE.parent),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    envoy = mesh.envoy
+    ext_proc_s = envoy.ext_proc_timeout_ms / 1000
+    agents = [(a.node_id, split_host_port(a.listen)) for a in mesh.node_agents]
+    return env.get_template(TEMPLATE.name).render(
+        mesh=mesh,
+        listen={
+            "http": split_host_port(envoy.http_listen),
+            "grpc": split_host_port(envoy.grpc_listen),
+            "admin": split_host_port(envoy.admin_listen),
+        },
+        descriptor=str(descriptor),
+        timeouts={
+            "ext_proc": _seconds(ext_proc_s),
+            "ext_proc_max": _seconds(max(mesh.coordinator.prefill_budget_s, ext_proc_s)),
+            "access_log_flush": _seconds(envoy.access_log_flush_ms / 1000),
+        },
+        decision=mesh.decision_path,
+        routed_paths=list(ROUTED_PATHS),
+        metadata_namespace=METADATA_NAMESPACE,
+        agents=agents,
+        grpc_agents=[(f"agent_{node_id}", address) for node_id, address in agents],
+        coordinator=split_host_port(mesh.coordinator.listen),
+        conductor=split_host_port(mesh.conductor.listen),
+        destination_header=DESTINATION_HEADER,
+        node_header=NODE_HEADER,
+        buffer_limit=BUFFER_LIMIT,
+        no_destination_body=_NO_DESTINATION,
+    )
+
+
+def build_envoy_config(mesh: MeshConfig, descriptor: Path) -> dict[str, Any]:
+    """The rendered bootstrap as a document (for checks and tests)."""
+    return yaml.safe_load(render_envoy_config(mesh, descriptor))
+
+
+def write_envoy_config(mesh: MeshConfig, descriptor: Path, path: Path) -> Path:
+    """Writes the rendered bootstrap to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_envoy_config(mesh, descriptor))
+    return path
