@@ -27,6 +27,7 @@ from coordinator.picker import EndpointPicker, TokenizerCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
+from coordinator.understand_pool import UnderstandPool
 from coordinator.workload import WorkloadLedger
 from tandem.grpc_server import GrpcApp
 from tandem.tokenizer import load_tokenizer
@@ -55,6 +56,7 @@ class Coordinator:
     admin: AdminService
     matcher: ConductorMatcher
     tickets: TicketTable
+    pool: UnderstandPool | None
 
 
 def build(mesh: MeshView) -> Coordinator:
@@ -72,9 +74,12 @@ def build(mesh: MeshView) -> Coordinator:
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
     tickets = TicketTable(picker.ledger, config.ticket_lifetime_s, config.reconcile_grace_s)
-    decider = Decider(
-        picker, handoff, trigger, tickets, config.decision_inline_bytes, config.decision_threads
-    )
+    pool = None
+    if config.decision_processes:
+        paths = {m.name: m.tokenizer for m in mesh.models}
+        pool = UnderstandPool(config.decision_processes, paths, config)
+        app.on_stop(_closer(pool.close))
+    decider = Decider(picker, handoff, trigger, tickets, pool, config.decision_inline_bytes)
     registry = RegistryService(instances, config)
     admin = AdminService(picker, decider.counters, mesh)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
@@ -94,12 +99,14 @@ def build(mesh: MeshView) -> Coordinator:
     metrics.TICKETS.watch(tickets)
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
+    return Coordinator(app, picker, registry, admin, matcher, tickets, pool)
 
-    async def close_decider() -> None:
-        decider.close()
 
-    app.on_stop(close_decider)
-    return Coordinator(app, picker, registry, admin, matcher, tickets)
+def _closer(close):
+    async def on_stop() -> None:
+        close()
+
+    return on_stop
 
 
 async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interval_s: float) -> None:
@@ -132,6 +139,8 @@ async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -
     async def after_start() -> None:
         c.matcher.start()
         tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.heartbeat_interval_s)))
+        if c.pool is not None:
+            tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))
         tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))

@@ -3,19 +3,16 @@
 Envoy must do. The transports only translate messages.
 
 Tokenization stays off the event loop for large bodies: a body of more than `inline_bytes` is parsed and
-tokenized on a small thread pool, so one huge prompt does not stall the decisions of the small ones behind it
-(the pool's threads take turns with the loop at the interpreter's switch interval; a tokenizer in native code
-releases the interpreter lock outright). Smaller bodies are decided inline, which costs no thread hop.
+tokenized in a worker process (`coordinator/understand_pool.py`), so one huge prompt does not stall the decisions
+of the small ones behind it. Smaller bodies are decided inline, which costs no inter-process hop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from coordinator import metrics
@@ -25,6 +22,7 @@ from coordinator.openai_request import ROUTED_PATHS
 from coordinator.picker import AGGREGATED, HANDOFF, TRIGGER, EndpointPicker
 from coordinator.tickets import Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
+from coordinator.understand_pool import UnderstandPool
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +67,8 @@ class Decider:
         handoff: HandoffRunner,
         trigger: TriggerCoordinator,
         tickets: TicketTable,
-        inline_bytes: int = 16384,
-        pool_threads: int = 2,
+        pool: UnderstandPool | None = None,
+        inline_bytes: int = 8192,
     ) -> None:
         self.picker = picker
         self.handoff = handoff
@@ -78,11 +76,7 @@ class Decider:
         self.tickets = tickets
         self.inline_bytes = inline_bytes
         self.counters = RequestCounters()
-        self._pool = ThreadPoolExecutor(pool_threads, thread_name_prefix="decide") if pool_threads else None
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = pool
 
     def without_body(self, method: str, path: str) -> Answer | None:
         """The answer to a request the coordinator does not route; None for a routed path (which needs its
@@ -123,8 +117,7 @@ class Decider:
         try:
             request = None
             if len(raw_body) > self.inline_bytes and self._pool is not None:
-                loop = asyncio.get_running_loop()
-                request = await loop.run_in_executor(self._pool, self.picker.understand, api, raw_body)
+                request = await self._pool.understand(api, raw_body, self.picker.instances.known_models)
             decision = await self.picker.decide(api, raw_body, request_id, request)
         except OpenAIError as exc:
             return self.reject(exc)

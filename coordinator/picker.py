@@ -14,7 +14,7 @@ Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has pre
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from coordinator.config import CoordinatorConfig
@@ -94,6 +94,25 @@ class TokenizerCache:
         return tok
 
 
+def understand_body(
+    api: str,
+    raw_body: bytes,
+    known_models: Collection[str],
+    tokenizers: TokenizerCache,
+    config: CoordinatorConfig,
+) -> OpenAIRequest:
+    """Parses, validates and tokenizes a body (pure: also run in decision worker processes); OpenAIError 400 for
+    bad input, 404 for a model not in `known_models`."""
+    body = parse_body(raw_body)
+    model = model_of(body)
+    if model not in known_models:
+        served = ", ".join(sorted(known_models)) or "none"
+        raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
+    chat = api == "chat.completions"
+    default_max = config.chat_default_max_tokens if chat else config.default_max_tokens
+    return understand(api, body, tokenizers.get(model), default_max)
+
+
 class EndpointPicker:
     """Validates, tokenizes, schedules and commits workload for one request at a time."""
 
@@ -116,14 +135,7 @@ class EndpointPicker:
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
         """Parses and validates the body; 400 for bad input, 404 for an unknown model."""
-        body = parse_body(raw_body)
-        model = model_of(body)
-        if model not in self.instances.known_models:
-            served = ", ".join(sorted(self.instances.known_models)) or "none"
-            raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
-        chat = api == "chat.completions"
-        default_max = self.config.chat_default_max_tokens if chat else self.config.default_max_tokens
-        return understand(api, body, self.tokenizers.get(model), default_max)
+        return understand_body(api, raw_body, self.instances.known_models, self.tokenizers, self.config)
 
     def mode_of(self, model: str) -> str:
         """The serving mode of `model`: `pd_mode`, or under `auto` what its instances' roles and dispatch

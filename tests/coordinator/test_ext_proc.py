@@ -19,6 +19,7 @@ from coordinator.ext_proc import ATTRIBUTES_NAMESPACE, ExternalProcessor
 from coordinator.handoff import HandoffRunner
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
+from coordinator.understand_pool import UnderstandPool
 from tests.coordinator.test_picker import make_picker
 
 URL = "http://127.0.0.1:9000/v1/metaserver/c0"
@@ -62,10 +63,10 @@ def headers_message(path: str, method: str = "GET") -> ep.ProcessingRequest:
     return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=True))
 
 
-def decider_for(picker, inline_bytes: int = 16384) -> Decider:
+def decider_for(picker, pool: UnderstandPool | None = None, inline_bytes: int = 8192) -> Decider:
     runner = HandoffRunner(picker, 5.0, 2)
     trigger = TriggerCoordinator(runner, AttemptRegistry(), URL)
-    return Decider(picker, runner, trigger, TicketTable(picker.ledger, 60.0), inline_bytes)
+    return Decider(picker, runner, trigger, TicketTable(picker.ledger, 60.0), pool, inline_bytes)
 
 
 async def process(decider: Decider, *messages) -> list[ep.ProcessingResponse]:
@@ -115,12 +116,23 @@ async def test_errors_and_unrouted_paths_are_answered_at_once():
     assert len(decider.tickets) == 0
 
 
-async def test_large_bodies_are_understood_off_the_loop():
+async def test_large_bodies_are_understood_in_a_worker_process_with_the_same_outcome():
     picker = make_picker()
-    decider = decider_for(picker, inline_bytes=10)
-    (reply,) = await process(decider, body_message({"model": "m", "prompt": "a long prompt " * 50}))
-    assert decision_metadata(reply)["destination"]
-    decider.close()
+    pool = UnderstandPool(1, {}, picker.config)
+    try:
+        decider = decider_for(picker, pool, inline_bytes=10)
+        (reply,) = await process(decider, body_message({"model": "m", "prompt": "a long prompt " * 50}))
+        assert decision_metadata(reply)["destination"]
+        request = await pool.understand(
+            "completions", json.dumps({"model": "m", "prompt": "a b c"}).encode(), {"m"}
+        )
+        assert (
+            request.prompts == picker.understand("completions", b'{"model": "m", "prompt": "a b c"}').prompts
+        )
+        (unknown,) = await process(decider, body_message({"model": "nope", "prompt": "x" * 20}))
+        assert unknown.immediate_response.status.code == 404  # errors cross the process boundary whole
+    finally:
+        pool.close()
 
 
 async def test_ext_authz_check_routes_with_a_header_and_denies_with_openai_json():
