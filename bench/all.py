@@ -33,6 +33,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "overhead.md",
     ),
     (
+        "decision_stall",
+        "Decision path: one huge prompt among many small ones",
+        ["bench.decision_stall", "--output", "{out}/decision-stall.md"],
+        "decision-stall.md",
+    ),
+    (
         "sweep",
         "Tuning kv_affinity in the fleet simulator",
         ["bench.fleet", "sweep", "--output-dir", "{out}"],

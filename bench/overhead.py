@@ -391,6 +391,70 @@ def tables(results: dict[str, dict[str, PathStats]], args) -> str:
     return "\n".join(lines)
 
 
+def _cpu(s: PathStats) -> float:
+    return s.cpu_s / len(s.latencies) * 1000 if s.latencies else float("nan")
+
+
+def _added(stats: dict[str, PathStats], name: str, values: str) -> float:
+    d, s = stats.get("direct"), stats.get(name)
+    if d is None or s is None or not getattr(s, values) or not getattr(d, values):
+        return float("nan")
+    return (s.pct(getattr(s, values), 50) - d.pct(getattr(d, values), 50)) * 1e3
+
+
+def verdicts(results: dict[str, dict[str, PathStats]]) -> str:
+    """Issue 14's goals against this run: Tandem's default path (ext_authz for an aggregated mesh), its ext_proc
+    path and Tandem before, each against the goal and the best peer in the same scenario."""
+    tandem = ["tandem round_robin", "tandem ext_proc round_robin", "tandem before round_robin"]
+    rows = []
+
+    def row(goal: str, scenario: str, metric, target: float, unit: str, peers_too: bool = True) -> None:
+        stats = results.get(scenario)
+        if stats is None:
+            return
+        values = [metric(stats, n) if n in stats else float("nan") for n in tandem]
+        peers = [metric(stats, n) for n in stats if n in PEERS] if peers_too else []
+        best = min(peers) if peers else float("nan")
+        bound = best if target != target else target  # nan target: the best peer is the bar
+        verdict = "met" if values[0] <= bound else "not met"
+        cells = " | ".join(f"{v:.2f}" for v in values)
+        rows.append(f"| {goal} | {scenario} | {cells} | {best:.2f} | {verdict} |")
+
+    cpu = lambda st, n: _cpu(st[n])  # noqa: E731
+    for scenario in ("non-streaming", "streaming", "decision path alone (do-nothing upstream)"):
+        row(
+            "CPU s / 1k requests (whole router) at or below the best peer's", scenario, cpu, float("nan"), "s"
+        )
+    for scenario in (
+        "non-streaming, concurrency 1",
+        "decision path alone (do-nothing upstream), concurrency 1",
+    ):
+        row(
+            "added p50 at concurrency 1 <= 0.5 ms",
+            scenario,
+            lambda st, n: _added(st, n, "latencies"),
+            0.5,
+            "ms",
+        )
+    for scenario in ("streaming, concurrency 1", "streaming"):
+        row(
+            "added streamed TTFT p50 (reused connections) < 1 ms",
+            scenario,
+            lambda st, n: _added(st, n, "ttfts"),
+            1.0,
+            "ms",
+        )
+    head = [
+        "",
+        "**Issue 14's goals in this run** (Tandem's default path for an aggregated mesh is ext_authz; the verdict is "
+        "for it; 'before' is the main branch's one ext_proc stream per request):",
+        "",
+        "| goal | scenario | tandem (ext_authz) | tandem ext_proc | tandem before | best peer | verdict |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    return "\n".join(head + rows)
+
+
 def plot(results: dict[str, dict[str, PathStats]], path: Path) -> None:
     """Added p50 latency and CPU per 1k requests, per path and scenario."""
     import matplotlib
@@ -469,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bench.stop()
     args.load_end = os.getloadavg()[0]
-    text = tables(results, args)
+    text = tables(results, args) + "\n" + verdicts(results)
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")

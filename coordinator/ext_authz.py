@@ -17,7 +17,6 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import external_auth_pb2 as ea
 from envoy.service.auth.v3 import external_auth_pb2_grpc as ea_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
 from coordinator.access_log import TICKET_KEY
@@ -30,7 +29,6 @@ log = logging.getLogger(__name__)
 #: overwrites it on every allowed request: a client never chooses the upstream.
 DESTINATION_HEADER = "x-tandem-destination"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_OK = status_pb2.Status(code=code_pb2.OK)
 _DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
 
 
@@ -61,6 +59,7 @@ class Authorization(ea_grpc.AuthorizationServicer):
 
     def __init__(self, decider: Decider) -> None:
         self.decider = decider
+        self._destinations: dict[str, base_pb2.HeaderValueOption] = {}  # by engine address
 
     async def Check(self, request: ea.CheckRequest, context) -> ea.CheckResponse:
         http = request.attributes.request.http
@@ -74,18 +73,24 @@ class Authorization(ea_grpc.AuthorizationServicer):
         outcome = await self.decider.route(path, body, request_id)
         if isinstance(outcome, Answer):
             return denied(outcome)
-        metadata = struct_pb2.Struct()
-        metadata.fields[TICKET_KEY].string_value = outcome.ticket.id
         # Returned, not written: past this point the reply is grpc's to deliver. Should Envoy drop it (the client
         # left first), Envoy's log of the request carries no ticket and `ended_without_ticket` flags it.
         self.decider.tickets.routed(outcome.ticket)
-        return ea.CheckResponse(
-            status=_OK,
-            ok_response=ea.OkHttpResponse(
-                headers=[
-                    _header(DESTINATION_HEADER, outcome.destination),
-                    _header("x-request-id", outcome.request_id),
-                ]
-            ),
-            dynamic_metadata=metadata,
-        )
+        return self._allowed(outcome.destination, outcome.request_id, outcome.ticket.id)
+
+    def _allowed(self, destination: str, request_id: str, ticket: str) -> ea.CheckResponse:
+        # Filled in place, the destination header reused per engine: building these messages from keyword
+        # arguments cost more than twice as much (per request, on the coordinator's one core).
+        reply = ea.CheckResponse()
+        reply.status.code = code_pb2.OK
+        headers = reply.ok_response.headers
+        dest = self._destinations.get(destination)
+        if dest is None:
+            dest = self._destinations[destination] = _header(DESTINATION_HEADER, destination)
+        headers.append(dest)
+        rid = headers.add()
+        rid.header.key = "x-request-id"
+        rid.header.value = request_id
+        rid.append_action = _OVERWRITE
+        reply.dynamic_metadata.fields[TICKET_KEY].string_value = ticket
+        return reply
