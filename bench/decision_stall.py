@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -94,13 +95,19 @@ def serve(port: int, inline_bytes: int, kind: str) -> None:
                 await asyncio.sleep(0.5)
                 decider.tickets.expire()
 
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
         server = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(decider, 10.0), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         task = asyncio.create_task(expire())
-        await server.wait_for_termination()
+        await stop.wait()
         task.cancel()
+        await server.stop(1)
+        if kind == "process":
+            pool.close()
 
     import uvloop
 

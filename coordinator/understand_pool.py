@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Collection
 from concurrent.futures import ProcessPoolExecutor
 
@@ -26,6 +29,15 @@ _worker: tuple[TokenizerCache, CoordinatorConfig] | None = None  # in each worke
 def _init(tokenizer_paths: dict[str, str | None], config: CoordinatorConfig) -> None:
     global _worker
     _worker = (TokenizerCache(tokenizer_paths, load_tokenizer), config)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int, interval_s: float = 0.5) -> None:
+    """A coordinator killed outright (SIGKILL, OOM) cannot stop its pool: the worker leaves when it sees its
+    parent gone rather than linger (the pool's queues do not tell an idle worker)."""
+    while os.getppid() == parent:
+        time.sleep(interval_s)
+    os._exit(0)
 
 
 def _ready() -> bool:

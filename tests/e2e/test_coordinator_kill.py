@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -46,8 +47,29 @@ def healthy_instances(mesh: RunningMesh) -> int:
     return sum(1 for i in listed if i.health == 2)
 
 
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (the coordinator's tokenizer worker and its resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "zombie" not in (Path("/proc") / str(pid) / "status").read_text().lower()
+    except OSError:
+        return False
+
+
 def test_streams_routed_before_a_coordinator_crash_complete(mesh):
     victim = coordinator_pid(mesh)
+    workers = children(victim)
     started = threading.Barrier(STREAMS + 1, timeout=30)
 
     def stream(i: int) -> tuple[int, list[str]]:
@@ -76,6 +98,8 @@ def test_streams_routed_before_a_coordinator_crash_complete(mesh):
         os.kill(victim, signal.SIGKILL)
         results = [f.result(timeout=60) for f in futures]
 
+    # Its worker processes leave with it rather than linger.
+    mesh.wait_for(lambda: not any(alive(p) for p in workers), 10, "the killed coordinator's workers gone")
     for status, events in results:
         assert status == 200 and events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
