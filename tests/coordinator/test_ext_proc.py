@@ -20,7 +20,7 @@ from coordinator.handoff import HandoffRunner
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
-from tests.coordinator.test_picker import make_picker
+from tests.helpers import make_picker, pd_picker
 
 URL = "http://127.0.0.1:9000/v1/metaserver/c0"
 
@@ -166,8 +166,6 @@ async def test_ext_authz_check_routes_with_a_header_and_denies_with_openai_json(
 
 async def test_client_gone_during_prefill_leg_releases_everything():
     from aiohttp import web
-
-    from tests.coordinator.test_handoff import pd_picker
 
     started, done = asyncio.Event(), asyncio.Event()
 

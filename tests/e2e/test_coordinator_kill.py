@@ -15,9 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.harness import mesh_config
 from tandem.v1 import admin_pb2
-from tests.e2e.mesh import RunningMesh, processes_mentioning
+from tests.helpers import RunningMesh, mesh_config, pid_alive, processes_mentioning
 
 STREAMS = 12
 MAX_TOKENS = 120
@@ -60,13 +59,6 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    try:
-        return "zombie" not in (Path("/proc") / str(pid) / "status").read_text().lower()
-    except OSError:
-        return False
-
-
 def test_streams_routed_before_a_coordinator_crash_complete(mesh):
     victim = coordinator_pid(mesh)
     workers = children(victim)
@@ -99,7 +91,7 @@ def test_streams_routed_before_a_coordinator_crash_complete(mesh):
         results = [f.result(timeout=60) for f in futures]
 
     # Its worker processes leave with it rather than linger.
-    mesh.wait_for(lambda: not any(alive(p) for p in workers), 10, "the killed coordinator's workers gone")
+    mesh.wait_for(lambda: not any(pid_alive(p) for p in workers), 10, "the killed coordinator's workers gone")
     for status, events in results:
         assert status == 200 and events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
