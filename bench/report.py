@@ -30,7 +30,10 @@ Paths take turns in rounds. "+ p50/p99" is latency added over direct; TTFT is th
 gap between data events; "fresh connections" opens one TCP connection per request. CPU s / 1k requests counts
 every process of the router (Tandem: Envoy, coordinator with its tokenizer worker, conductor). The load
 generator (aiohttp, one Python process) shares the 2 cores with the engines, the routers and other work on the
-machine (its load average is printed), so latencies are noisy; CPU per request is the steadier figure.""",
+machine (its load average is printed), so latencies are noisy; CPU per request is the steadier figure. The
+"before" coordinator has no node agent or conductor attached (the bench registers the engines with it), so it
+does less background work than the mesh's coordinator (agents' heartbeats, conductor health, config watch);
+at concurrency 1 this favours it in both CPU per request and latency.""",
     "decision_stall": """The coordinator's decision service alone (its ext_proc servicer over gRPC, no Envoy, no
 engines): small requests at concurrency 16 with one 1 MiB prompt per 100 of them, each variant in a fresh
 coordinator process. Parsing and tokenizing inline on the event loop stalls every decision behind a huge
