@@ -1,15 +1,22 @@
 """Overhead of the routers: the same simulated engines reached directly, through Tandem and through the peer
 routers (`sglang-router`, `vllm-router`, each round-robin and cache-aware), side by side in one run.
 
-    python -m bench.overhead [--requests 2000] [--concurrency 32] [--engines 4] [--stream] [--paths ...]
+    python -m bench.overhead [--requests 1500] [--concurrency 32] [--engines 4] [--paths ...] [--scenarios ...]
 
-Scenarios: non-streaming and streaming at `--concurrency` (streaming twice: reused client connections and a
-fresh connection per request), and streaming at `--wide` concurrent streams. In every scenario the paths take
-turns in `--rounds` rounds so that all see the same machine state. Direct requests go round-robin over the
-engines (an ideal client-side balancer). Tandem runs with `round_robin` and with `kv_affinity` (switched by
-rewriting the mesh file, which the coordinator reloads). Printed per scenario and path: requests/s, latency
+Scenarios: non-streaming and streaming, on reused client connections and with a fresh connection per request, at
+`--concurrency` and at concurrency 1; and the decision path alone: non-streaming requests to a do-nothing upstream
+(`bench/decision_only.py`), which answers at once, so that what a path adds is the router's own work. In every
+scenario the paths take turns in `--rounds` rounds so that all see the same machine state. Direct requests go
+round-robin over the engines (an ideal client-side balancer).
+
+Tandem paths: the mesh as `tandem up` runs it (an aggregated mesh decides with ext_authz), with `round_robin` and
+`kv_affinity` (switched by rewriting the mesh file, which the coordinator reloads); the same coordinator behind a
+second Envoy rendered with `envoy.decision: ext_proc` (one body message each way); and Tandem *before* this
+change, the main branch's Envoy and coordinator (`--before-ref`, one ext_proc stream per request, headers and
+body), exported from git and run in front of the same engines. Printed per scenario and path: requests/s, latency
 p50/p99 and what the path adds over direct, streamed TTFT and inter-token latency p50/p99, and CPU seconds per
-1,000 requests of the router's processes (Envoy + coordinator + conductor for Tandem), from /proc.
+1,000 requests of every process of the router (Envoy + coordinator (+ its tokenizer worker) + conductor for
+Tandem), from /proc.
 """
 
 from __future__ import annotations
@@ -18,33 +25,57 @@ import argparse
 import asyncio
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import yaml
 
-from bench.harness import mesh_config
+from bench.decision_only import BeforeTandem, Registrar, start_null
+from bench.harness import free_ports, mesh_config
 from bench.peers import PEERS, start_peer, version
 from bench.replay import percentile
 from mesh.config import parse_mesh_config
-from mesh.up import Mesh
+from mesh.envoy import write_envoy_config
+from mesh.up import Mesh, envoy_binary
+from tandem.protogen import DESCRIPTOR
 from tandem.version import __version__
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
-#: name -> (stream, fresh connection per request, concurrency option, request count option)
+#: name -> (stream, fresh connection per request, concurrency option, request count option, upstream)
 SCENARIOS = {
-    "non-streaming": (False, False, "concurrency", "requests"),
-    "streaming": (True, False, "concurrency", "requests"),
-    "streaming, fresh connections": (True, True, "concurrency", "fresh_requests"),
-    "streaming, wide": (True, False, "wide", "requests"),
+    "non-streaming": (False, False, "concurrency", "requests", "engines"),
+    "streaming": (True, False, "concurrency", "requests", "engines"),
+    "streaming, fresh connections": (True, True, "concurrency", "fresh_requests", "engines"),
+    "non-streaming, concurrency 1": (False, False, "one", "serial_requests", "engines"),
+    "streaming, concurrency 1": (True, False, "one", "serial_requests", "engines"),
+    "streaming, fresh connections, concurrency 1": (True, True, "one", "serial_requests", "engines"),
+    "decision path alone (do-nothing upstream)": (False, False, "concurrency", "requests", "null"),
+    "decision path alone (do-nothing upstream), concurrency 1": (
+        False,
+        False,
+        "one",
+        "serial_requests",
+        "null",
+    ),
 }
-TANDEM_PATHS = {"tandem round_robin": "round_robin", "tandem kv_affinity": "kv_affinity"}
+#: label -> (policy, decision path); "before" is the main branch's Tandem
+TANDEM_PATHS = {
+    "tandem round_robin": ("round_robin", "mesh"),
+    "tandem kv_affinity": ("kv_affinity", "mesh"),
+    "tandem ext_proc round_robin": ("round_robin", "ext_proc"),
+    "tandem before round_robin": ("round_robin", "before"),
+}
+#: Peers also run in front of the do-nothing upstream (cache-aware ones need engine endpoints it lacks).
+NULL_PEERS = ("sglang-router round_robin", "vllm-router round_robin")
 ALL_PATHS = ["direct", *TANDEM_PATHS, *PEERS]
+NULL_MODEL = "null"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -148,11 +179,11 @@ async def run_round(
 
 @dataclass
 class Path_:
-    """One way to reach the engines."""
+    """One way to reach the engines (and the do-nothing upstream)."""
 
     name: str
-    urls: list[str]
-    pids: dict[str, int]  # process name -> pid
+    urls: dict[str, list[str]]  # upstream ("engines" | "null") -> URLs to spread requests over
+    pids: dict[str, dict[str, int]]  # upstream -> process name -> pid
     policy: str = ""  # Tandem's scheduler policy for this path
 
 
@@ -169,7 +200,10 @@ class Bench:
         self.mesh = Mesh(
             parse_mesh_config(self.config, str(self.config_path)), str(self.config_path), self.workdir / "run"
         )
-        self.peers = []
+        self.peers: list = []
+        self.others: list[subprocess.Popen] = []
+        self.registrars: list[Registrar] = []
+        self.before: BeforeTandem | None = None
         self.policy = "least_load"
 
     def set_policy(self, policy: str) -> None:
@@ -181,55 +215,124 @@ class Bench:
         self.policy = policy
         time.sleep(2.5)
 
+    def _ext_proc_envoy(self) -> tuple[str, int]:
+        """A second Envoy in front of the same coordinator, deciding with ext_proc; its URL and pid."""
+        ports = free_ports(3)
+        data = yaml.safe_load(yaml.safe_dump(self.config))
+        data["envoy"].update(
+            http_listen=f"127.0.0.1:{ports[0]}",
+            grpc_listen=f"127.0.0.1:{ports[1]}",
+            admin_listen=f"127.0.0.1:{ports[2]}",
+            base_id=ports[0],
+            decision="ext_proc",
+        )
+        path = write_envoy_config(parse_mesh_config(data), DESCRIPTOR, self.workdir / "envoy-ext-proc.yaml")
+        argv = [envoy_binary(), "-c", str(path), "--base-id", str(ports[0]), "--log-level", "error"]
+        proc = subprocess.Popen([*argv, "--concurrency", "1"])
+        self.others.append(proc)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/ready", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        return f"http://127.0.0.1:{ports[0]}/v1/completions", proc.pid
+
     def start(self) -> list[Path_]:
         self.mesh.start()
         missing = self.mesh.wait_for_engines(60)
         if missing:
             raise RuntimeError(f"engines not healthy: {missing}")
         engines = [f"127.0.0.1:{e['port']}" for e in self.config["node_agents"][0]["engines"]]
+        null_proc, nulls = start_null(self.args.engines)
+        self.others.append(null_proc)
+        coordinator = self.config["coordinator"]["listen"]
+        self.registrars.append(Registrar(coordinator, NULL_MODEL, nulls, "null"))
         pids = {
             c.name: c.process.pid
             for c in self.mesh.components
             if c.name in ("envoy", "coordinator", "conductor")
         }
+        mesh_url = f"http://{self.config['envoy']['http_listen']}/v1/completions"
         paths = []
         for name in self.args.paths:
             if name == "direct":
-                paths.append(Path_(name, [f"http://{e}/v1/completions" for e in engines], {}))
+                urls = {"engines": [f"http://{e}/v1/completions" for e in engines]}
+                urls["null"] = [f"http://{n}/v1/completions" for n in nulls]
+                paths.append(Path_(name, urls, {"engines": {}, "null": {}}))
             elif name in TANDEM_PATHS:
-                url = f"http://{self.config['envoy']['http_listen']}/v1/completions"
-                paths.append(Path_(name, [url], pids, TANDEM_PATHS[name]))
+                policy, decision = TANDEM_PATHS[name]
+                url, path_pids = mesh_url, pids
+                if decision == "ext_proc":
+                    url, envoy_pid = self._ext_proc_envoy()
+                    path_pids = {**pids, "envoy": envoy_pid}
+                elif decision == "before":
+                    self.before = BeforeTandem(self.workdir, self.args.before_ref, policy)
+                    self.before.start()
+                    url = f"http://{self.before.http}/v1/completions"
+                    path_pids = self.before.pids()
+                    self.registrars.append(Registrar(self.before.coordinator, "tandem-sim", engines, "sim"))
+                    self.registrars.append(Registrar(self.before.coordinator, NULL_MODEL, nulls, "null"))
+                paths.append(
+                    Path_(
+                        name,
+                        {"engines": [url], "null": [url]},
+                        {"engines": path_pids, "null": path_pids},
+                        policy,
+                    )
+                )
             else:
                 peer = start_peer(name, engines, self.workdir)
                 self.peers.append(peer)
-                paths.append(Path_(name, [f"{peer.url}/v1/completions"], {"router": peer.pid}))
+                urls = {"engines": [f"{peer.url}/v1/completions"]}
+                path_pids = {"engines": {"router": peer.pid}}
+                if name in NULL_PEERS:
+                    null_peer = start_peer(name, nulls, self.workdir)
+                    self.peers.append(null_peer)
+                    urls["null"] = [f"{null_peer.url}/v1/completions"]
+                    path_pids["null"] = {"router": null_peer.pid}
+                paths.append(Path_(name, urls, path_pids))
+        for registrar in self.registrars:
+            registrar.start()
+        time.sleep(2)  # the registrars' first heartbeats
         return paths
 
     def stop(self) -> None:
+        for registrar in self.registrars:
+            registrar.stop()
         for peer in self.peers:
             peer.stop()
+        if self.before is not None:
+            self.before.stop()
+        for proc in self.others:
+            proc.terminate()
+            proc.wait(10)
         self.mesh.stop()
 
     def measure(self, paths: list[Path_], progress=None) -> dict[str, dict[str, PathStats]]:
         a = self.args
-        body = {"model": "tandem-sim", "prompt": "Benchmark prompt " * 20, "max_tokens": a.max_tokens}
+        prompt = "Benchmark prompt " * 20
         out: dict[str, dict[str, PathStats]] = {}
         for scenario in a.scenarios:
-            stream, fresh, conc_key, count_key = SCENARIOS[scenario]
-            concurrency = getattr(a, conc_key)
-            b = {**body, "stream": stream}
-            stats = {p.name: PathStats() for p in paths}
+            stream, fresh, conc_key, count_key, upstream = SCENARIOS[scenario]
+            concurrency = 1 if conc_key == "one" else getattr(a, conc_key)
+            model = NULL_MODEL if upstream == "null" else "tandem-sim"
+            body = {"model": model, "prompt": prompt, "max_tokens": a.max_tokens, "stream": stream}
+            runnable = [p for p in paths if upstream in p.urls]
+            stats = {p.name: PathStats() for p in runnable}
             per_round = getattr(a, count_key) // a.rounds
             # Tandem's policy switches cost a reload: order the paths so each round switches at most twice.
-            ordered = sorted(paths, key=lambda p: (p.policy != "round_robin", p.policy == ""))
+            ordered = sorted(runnable, key=lambda p: (p.policy != "round_robin", p.policy == ""))
             for _ in range(a.rounds):
                 for p in ordered:
-                    if p.policy:
+                    if p.policy and "before" not in p.name:
                         self.set_policy(p.policy)
-                    before = {n: cpu_seconds(pid) for n, pid in p.pids.items()}
+                    pids = p.pids[upstream]
+                    before = {n: cpu_seconds(pid) for n, pid in pids.items()}
                     st = stats[p.name]
-                    asyncio.run(run_round(p.urls, per_round, concurrency, b, st, stream, fresh))
-                    for n, pid in p.pids.items():
+                    asyncio.run(run_round(p.urls[upstream], per_round, concurrency, body, st, stream, fresh))
+                    for n, pid in pids.items():
                         used = cpu_seconds(pid) - before[n]
                         st.cpu_s += used
                         st.cpu_by[n] = st.cpu_by.get(n, 0.0) + used
@@ -241,13 +344,15 @@ class Bench:
 
 def tables(results: dict[str, dict[str, PathStats]], args) -> str:
     lines = [
-        f"Overhead: {args.requests} requests per path and scenario in {args.rounds} alternating rounds, "
-        f"concurrency {args.concurrency} (wide: {args.wide} streams), {args.engines} simengine engines (speedup "
+        f"Overhead: {args.requests} requests per path and scenario in {args.rounds} alternating rounds at "
+        f"concurrency {args.concurrency}, {args.serial_requests} at concurrency 1; {args.engines} simengine engines (speedup "
         f"{args.speedup:g}, max_tokens {args.max_tokens}); tandem {__version__}, sglang-router "
         f"{version('sglang')}, vllm-router {version('vllm')}; {platform.machine()} {os.cpu_count()} cores, "
         f'Python {platform.python_version()}. Latencies in ms; "+" is what the path adds over direct; ITL is '
         "each request's mean gap between streamed events (p50/p99 over requests); fresh connections: "
-        f"{args.fresh_requests} requests per path.",
+        f"{args.fresh_requests} requests per path at concurrency {args.concurrency}. Tandem before: commit "
+        f"{args.before_commit} (`{args.before_ref}`). Load average (1 min, 2 shared cores) at start "
+        f"{args.load_start:.2f}, at end {args.load_end:.2f}.",
     ]
     for scenario, stats in results.items():
         stream = SCENARIOS[scenario][0]
@@ -286,6 +391,70 @@ def tables(results: dict[str, dict[str, PathStats]], args) -> str:
     return "\n".join(lines)
 
 
+def _cpu(s: PathStats) -> float:
+    return s.cpu_s / len(s.latencies) * 1000 if s.latencies else float("nan")
+
+
+def _added(stats: dict[str, PathStats], name: str, values: str) -> float:
+    d, s = stats.get("direct"), stats.get(name)
+    if d is None or s is None or not getattr(s, values) or not getattr(d, values):
+        return float("nan")
+    return (s.pct(getattr(s, values), 50) - d.pct(getattr(d, values), 50)) * 1e3
+
+
+def verdicts(results: dict[str, dict[str, PathStats]]) -> str:
+    """Issue 14's goals against this run: Tandem's default path (ext_authz for an aggregated mesh), its ext_proc
+    path and Tandem before, each against the goal and the best peer in the same scenario."""
+    tandem = ["tandem round_robin", "tandem ext_proc round_robin", "tandem before round_robin"]
+    rows = []
+
+    def row(goal: str, scenario: str, metric, target: float, unit: str, peers_too: bool = True) -> None:
+        stats = results.get(scenario)
+        if stats is None:
+            return
+        values = [metric(stats, n) if n in stats else float("nan") for n in tandem]
+        peers = [metric(stats, n) for n in stats if n in PEERS] if peers_too else []
+        best = min(peers) if peers else float("nan")
+        bound = best if target != target else target  # nan target: the best peer is the bar
+        verdict = "met" if values[0] <= bound else "not met"
+        cells = " | ".join(f"{v:.2f}" for v in values)
+        rows.append(f"| {goal} | {scenario} | {cells} | {best:.2f} | {verdict} |")
+
+    cpu = lambda st, n: _cpu(st[n])  # noqa: E731
+    for scenario in ("non-streaming", "streaming", "decision path alone (do-nothing upstream)"):
+        row(
+            "CPU s / 1k requests (whole router) at or below the best peer's", scenario, cpu, float("nan"), "s"
+        )
+    for scenario in (
+        "non-streaming, concurrency 1",
+        "decision path alone (do-nothing upstream), concurrency 1",
+    ):
+        row(
+            "added p50 at concurrency 1 <= 0.5 ms",
+            scenario,
+            lambda st, n: _added(st, n, "latencies"),
+            0.5,
+            "ms",
+        )
+    for scenario in ("streaming, concurrency 1", "streaming"):
+        row(
+            "added streamed TTFT p50 (reused connections) < 1 ms",
+            scenario,
+            lambda st, n: _added(st, n, "ttfts"),
+            1.0,
+            "ms",
+        )
+    head = [
+        "",
+        "**Issue 14's goals in this run** (Tandem's default path for an aggregated mesh is ext_authz; the verdict is "
+        "for it; 'before' is the main branch's one ext_proc stream per request):",
+        "",
+        "| goal | scenario | tandem (ext_authz) | tandem ext_proc | tandem before | best peer | verdict |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    return "\n".join(head + rows)
+
+
 def plot(results: dict[str, dict[str, PathStats]], path: Path) -> None:
     """Added p50 latency and CPU per 1k requests, per path and scenario."""
     import matplotlib
@@ -302,8 +471,11 @@ def plot(results: dict[str, dict[str, PathStats]], path: Path) -> None:
         d = st.get("direct")
         xs = [x + (i - (len(scenarios) - 1) / 2) * width for x in range(len(names))]
         base = d.pct(d.latencies, 50) if d is not None else 0.0
-        axes[0].bar(xs, [(st[n].pct(st[n].latencies, 50) - base) * 1e3 for n in names], width, label=sc)
-        axes[1].bar(xs, [st[n].cpu_s / max(len(st[n].latencies), 1) * 1000 for n in names], width, label=sc)
+        nan = float("nan")
+        added = [(st[n].pct(st[n].latencies, 50) - base) * 1e3 if n in st else nan for n in names]
+        cpu = [st[n].cpu_s / max(len(st[n].latencies), 1) * 1000 if n in st else nan for n in names]
+        axes[0].bar(xs, added, width, label=sc)
+        axes[1].bar(xs, cpu, width, label=sc)
     for ax, title in zip(
         axes, ("added p50 latency over direct (ms)", "router CPU s per 1k requests"), strict=True
     ):
@@ -319,11 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=2000, help="requests per path and scenario")
+    parser.add_argument("--requests", type=int, default=1500, help="requests per path and scenario")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--wide", type=int, default=256, help="concurrent streams of the wide scenario")
+    parser.add_argument("--serial-requests", type=int, default=200, help="requests per path at concurrency 1")
     parser.add_argument(
         "--fresh-requests", type=int, default=500, help="requests per path, fresh connections"
+    )
+    parser.add_argument(
+        "--before-ref", default="main", help="the git ref of Tandem before (its Envoy + coordinator)"
     )
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="alternations between the paths")
@@ -337,22 +512,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.scenarios:
         args.scenarios = [s for s in SCENARIOS if SCENARIOS[s][0] or not args.stream]
+    args.before_commit = "-"
 
     from tqdm import tqdm
 
+    args.load_start = os.getloadavg()[0]
     bench = Bench(args)
     counts = [getattr(args, SCENARIOS[s][3]) // args.rounds * args.rounds for s in args.scenarios]
     total = sum(counts) * len(args.paths)
     try:
         paths = bench.start()
-        warm = {"model": "tandem-sim", "prompt": "warm up", "max_tokens": 2}
+        args.before_commit = bench.before.commit() if bench.before else "-"
         for p in paths:
-            asyncio.run(run_round(p.urls, 50, 8, warm, PathStats(), False, False))
+            for upstream, urls in p.urls.items():
+                model = NULL_MODEL if upstream == "null" else "tandem-sim"
+                warm = {"model": model, "prompt": "warm up", "max_tokens": 2}
+                asyncio.run(run_round(urls, 50, 8, warm, PathStats(), False, False))
         with tqdm(total=total, desc="overhead", unit="req", file=sys.stderr) as bar:
             results = bench.measure(paths, bar.update)
     finally:
         bench.stop()
-    text = tables(results, args)
+    args.load_end = os.getloadavg()[0]
+    text = tables(results, args) + "\n" + verdicts(results)
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")

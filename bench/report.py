@@ -17,13 +17,29 @@ routers' own P/D modes are not run."""
 
 _NOTES = {
     "overhead": """The same engines (`simengine --speedup 10`, 16 output tokens) reached directly (client-side
-round-robin), through Tandem (Envoy + ext_proc coordinator; `round_robin`, and `kv_affinity`, which also asks the
-conductor), and through `sglang-router` 0.3.2 and `vllm-router` 0.1.17 with round-robin and cache-aware policies,
-both bound to 127.0.0.1 (Prometheus too). Paths take turns in rounds. "+ p50/p99" is latency added over direct;
-TTFT is the first SSE data event, ITL the gap between data events; "fresh connections" opens one TCP
-connection per request. CPU s / 1k requests counts the router's processes only (Tandem: Envoy, coordinator and
-conductor). The load generator (aiohttp, one Python process) shares the 2 cores with the engines and the router
-under test, so requests/s is capped by the client; compare rows, not absolute figures.""",
+round-robin), through Tandem, and through `sglang-router` 0.3.2 and `vllm-router` 0.1.17 with round-robin and
+cache-aware policies, both bound to 127.0.0.1 (Prometheus too). Tandem rows: the mesh as `tandem up` runs it (an
+aggregated mesh decides with one ext_authz Check per request, and learns request ends from Envoy's access log),
+`round_robin` and `kv_affinity` (which also asks the conductor); `tandem ext_proc`: the same coordinator behind a
+second Envoy deciding with one ext_proc body message each way (the path P/D meshes use); `tandem before`: the main
+branch's Envoy and coordinator (one ext_proc stream per request with headers and body, held open until the
+response ends), exported from git and run in front of the same engines, so before and after come from one run.
+"Decision path alone" sends non-streaming requests to a do-nothing upstream (one raw asyncio process answering at
+once; the cache-aware peers need engine endpoints it lacks), so the added latency and CPU are the router's own.
+Paths take turns in rounds. "+ p50/p99" is latency added over direct; TTFT is the first SSE data event, ITL the
+gap between data events; "fresh connections" opens one TCP connection per request. CPU s / 1k requests counts
+every process of the router (Tandem: Envoy, coordinator with its tokenizer worker, conductor). The load
+generator (aiohttp, one Python process) shares the 2 cores with the engines, the routers and other work on the
+machine (its load average is printed), so latencies are noisy; CPU per request is the steadier figure. The
+"before" coordinator has no node agent or conductor attached (the bench registers the engines with it), so it
+does less background work than the mesh's coordinator (agents' heartbeats, conductor health, config watch);
+at concurrency 1 this favours it in both CPU per request and latency.""",
+    "decision_stall": """The coordinator's decision service alone (its ext_proc servicer over gRPC, no Envoy, no
+engines): small requests at concurrency 16 with one 1 MiB prompt per 100 of them, each variant in a fresh
+coordinator process. Parsing and tokenizing inline on the event loop stalls every decision behind a huge
+prompt; a thread pool does not help while the tokenizer holds the interpreter lock (the built-in one does); a
+worker process for bodies above `coordinator.decision_inline_bytes` keeps the small decisions moving at the cost
+of the huge ones' latency (they queue for the worker and cross a process boundary).""",
     "sweep": """The sweep runs in the fleet simulator (cheap, deterministic) on the configuration of the trace replay
 below (4 engines, first 300 conversation requests, arrivals x1.25). It ranks kv_affinity parameter sets by mean
 plus p99 TTFT and writes the best to `bench/tuned_kv_affinity.json`, which the replay below and the scale table

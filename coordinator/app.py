@@ -8,12 +8,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.auth.v3 import external_auth_pb2_grpc as ea_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from coordinator import mesh_health, metrics
+from coordinator.access_log import AccessLogService
 from coordinator.attempts import AttemptRegistry
 from coordinator.config import MeshView
 from coordinator.config_watch import watch_config
+from coordinator.decision import Decider
+from coordinator.ext_authz import Authorization
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
 from coordinator.instances import InstanceTable
@@ -21,7 +26,9 @@ from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker, TokenizerCache
 from coordinator.predicted_cache import PredictedCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
+from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
+from coordinator.understand_pool import UnderstandPool
 from coordinator.workload import WorkloadLedger
 from tandem.grpc_server import GrpcApp
 from tandem.tokenizer import load_tokenizer
@@ -36,6 +43,8 @@ from tandem.v1 import (  # noqa: F401 - conductor_pb2 and node_agent_pb2 put the
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+EXT_AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
+ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 
 
 @dataclass
@@ -47,6 +56,8 @@ class Coordinator:
     registry: RegistryService
     admin: AdminService
     matcher: ConductorMatcher
+    tickets: TicketTable
+    pool: UnderstandPool | None
 
 
 def build(mesh: MeshView) -> Coordinator:
@@ -65,10 +76,22 @@ def build(mesh: MeshView) -> Coordinator:
     app = GrpcApp("coordinator", config.listen, config.metrics_listen)
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
-    ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
+    tickets = TicketTable(picker.ledger, config.ticket_lifetime_s, config.reconcile_grace_s)
+    pool = None
+    if config.decision_processes:
+        paths = {m.name: m.tokenizer for m in mesh.models}
+        pool = UnderstandPool(config.decision_processes, paths, config)
+        app.on_stop(_closer(pool.close))
+    decider = Decider(picker, handoff, trigger, tickets, pool, config.decision_inline_bytes)
     registry = RegistryService(instances, config, picker.ledger)
-    admin = AdminService(picker, ext_proc.counters, mesh)
+    admin = AdminService(picker, decider.counters, mesh)
+    # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
+    ext_proc = ExternalProcessor(decider, config.prefill_budget_s)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
+    app.add_service(EXT_AUTHZ_SERVICE, ea_grpc.add_AuthorizationServicer_to_server, Authorization(decider))
+    app.add_service(
+        ACCESS_LOG_SERVICE, als_pb2_grpc.add_AccessLogServiceServicer_to_server, AccessLogService(tickets)
+    )
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)
     app.add_service("tandem.v1.Admin", admin_pb2_grpc.add_AdminServicer_to_server, admin)
     metaserver = MetaserverService(trigger, config.replica)
@@ -76,9 +99,29 @@ def build(mesh: MeshView) -> Coordinator:
     # Reflection on Envoy's :9000 is answered here, so it describes every service the listener routes.
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
     metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
+    metrics.TICKETS.watch(tickets)
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
-    return Coordinator(app, picker, registry, admin, matcher)
+    return Coordinator(app, picker, registry, admin, matcher, tickets, pool)
+
+
+def _closer(close):
+    async def on_stop() -> None:
+        close()
+
+    return on_stop
+
+
+async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interval_s: float) -> None:
+    """Releases tickets past their lifetime, and unconfirmed ones whose engines report idle."""
+    while True:
+        await asyncio.sleep(interval_s)
+        expired = tickets.expire()
+        if expired:
+            log.warning("tickets expired without an access log entry", extra={"count": len(expired)})
+        reconciled = tickets.reconcile({s.info.instance_id: s.load for s in instances.all()})
+        if reconciled:
+            log.info("tickets reconciled with idle engines", extra={"count": len(reconciled)})
 
 
 async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
@@ -99,6 +142,9 @@ async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -
     async def after_start() -> None:
         c.matcher.start()
         tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.heartbeat_interval_s)))
+        if c.pool is not None:
+            tasks.append(asyncio.create_task(c.pool.start()))
+        tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))
         tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
         if mesh.path and reload is not None:

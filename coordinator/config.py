@@ -147,6 +147,17 @@ class CoordinatorConfig(BaseModel):
     """Longest prefill leg; past it the leg counts as failed."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Scheduling policy."""
+    ticket_lifetime_s: float = Field(default=3600.0, gt=0)
+    """Longest a routed request holds its workload when Envoy's access log never reports its end (the log is
+    at-most-once); make it longer than the longest response."""
+    reconcile_grace_s: float = Field(default=2.0, gt=0)
+    """A request whose end may have been lost (the access log stream was down) is released once its engines
+    report nothing running or waiting in a sample taken this long after it was routed."""
+    decision_inline_bytes: int = Field(default=8192, ge=0)
+    """Bodies up to this size are parsed and tokenized on the event loop; larger ones in worker processes, so
+    that one huge prompt does not stall the decisions of others."""
+    decision_processes: int = Field(default=1, ge=0)
+    """Worker processes parsing and tokenizing large bodies (0: every body on the event loop)."""
 
     @field_validator("metaserver_address")
     @classmethod

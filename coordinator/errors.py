@@ -24,6 +24,10 @@ class OpenAIError(Exception):
         self.message = message
         self.param = param
 
+    def __reduce__(self):
+        # Raised in decision worker processes too: rebuilt whole on the other side.
+        return (OpenAIError, (self.status, self.message, self.param))
+
     @property
     def type(self) -> str:
         """vLLM's error type name for the status."""

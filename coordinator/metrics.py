@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from coordinator.workload import WorkloadLedger
 
@@ -48,6 +48,9 @@ CALLBACK_PATH_SECONDS = Histogram(
         1,
     ),
 )
+ALS_STREAMS = Gauge(
+    "tandem_coordinator_access_log_streams", "Envoy access log streams connected (0: request ends go unseen)"
+)
 CALLBACKS = Counter("tandem_coordinator_metaserver_callbacks", "Metaserver callbacks by outcome", ["outcome"])
 
 
@@ -77,6 +80,39 @@ class WorkloadCollector:
 
 WORKLOAD = WorkloadCollector()
 REGISTRY.register(WORKLOAD)
+
+
+class TicketCollector:
+    """Tickets outstanding and ended by reason, read from the ticket table at scrape time."""
+
+    def __init__(self) -> None:
+        self.table = None
+
+    def watch(self, table) -> None:
+        self.table = table
+        INFLIGHT.set_function(lambda: len(table))
+
+    def collect(self):
+        ended = CounterMetricFamily(
+            "tandem_coordinator_tickets_ended",
+            "Routed requests whose holdings were released, by why (completed, failed, client_gone, aborted, "
+            "expired, reconciled)",
+            labels=["reason"],
+        )
+        unknown = CounterMetricFamily(
+            "tandem_coordinator_access_log_unknown_tickets",
+            "Access log entries naming no outstanding ticket (duplicates, a previous incarnation's, expired)",
+        )
+        if self.table is not None:
+            for reason, count in self.table.counters.ended.items():
+                ended.add_metric([reason], count)
+            unknown.add_metric([], self.table.counters.unknown)
+        yield ended
+        yield unknown
+
+
+TICKETS = TicketCollector()
+REGISTRY.register(TICKETS)
 _routed_children: dict[str, Counter] = {}
 
 

@@ -14,7 +14,7 @@ Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has pre
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from coordinator.config import CoordinatorConfig
@@ -97,6 +97,25 @@ class TokenizerCache:
         return tok
 
 
+def understand_body(
+    api: str,
+    raw_body: bytes,
+    known_models: Collection[str],
+    tokenizers: TokenizerCache,
+    config: CoordinatorConfig,
+) -> OpenAIRequest:
+    """Parses, validates and tokenizes a body (pure: also run in decision worker processes); OpenAIError 400 for
+    bad input, 404 for a model not in `known_models`."""
+    body = parse_body(raw_body)
+    model = model_of(body)
+    if model not in known_models:
+        served = ", ".join(sorted(known_models)) or "none"
+        raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
+    chat = api == "chat.completions"
+    default_max = config.chat_default_max_tokens if chat else config.default_max_tokens
+    return understand(api, body, tokenizers.get(model), default_max)
+
+
 class EndpointPicker:
     """Validates, tokenizes, schedules and commits workload for one request at a time."""
 
@@ -121,14 +140,7 @@ class EndpointPicker:
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
         """Parses and validates the body; 400 for bad input, 404 for an unknown model."""
-        body = parse_body(raw_body)
-        model = model_of(body)
-        if model not in self.instances.known_models:
-            served = ", ".join(sorted(self.instances.known_models)) or "none"
-            raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
-        chat = api == "chat.completions"
-        default_max = self.config.chat_default_max_tokens if chat else self.config.default_max_tokens
-        return understand(api, body, self.tokenizers.get(model), default_max)
+        return understand_body(api, raw_body, self.instances.known_models, self.tokenizers, self.config)
 
     def mode_of(self, model: str) -> str:
         """The serving mode of `model`: `pd_mode`, or under `auto` what its instances' roles and dispatch
@@ -185,9 +197,12 @@ class EndpointPicker:
         # each prompt of each choice), so that the ledger can follow the engine's progress.
         return self.ledger.commit(state.info.instance_id, prefill, decode, context, counted)
 
-    async def decide(self, api: str, raw_body: bytes, request_id: str) -> Decision:
-        """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503)."""
-        request = self.understand(api, raw_body)
+    async def decide(
+        self, api: str, raw_body: bytes, request_id: str, request: OpenAIRequest | None = None
+    ) -> Decision:
+        """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503).
+        `request` is the body already understood (off the event loop, for large bodies)."""
+        request = request or self.understand(api, raw_body)
         model, isl, out = request.model, request.prompt_tokens, request.max_tokens
         mode = self.mode_of(model)
         if mode == AGGREGATED:

@@ -15,7 +15,7 @@ from coordinator import metrics
 from coordinator.attempts import PrefillLegFailed, UnknownAttempt
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
-from coordinator.ext_proc import RequestCounters
+from coordinator.decision import RequestCounters
 from coordinator.instances import Health, InstanceTable
 from coordinator.picker import EndpointPicker
 from coordinator.trigger import TriggerCoordinator

@@ -7,7 +7,7 @@ Every section belongs to the component that reads it (`coordinator.config`, `con
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -37,6 +37,15 @@ class EnvoyConfig(BaseModel):
     """How long Envoy waits for one coordinator reply before failing the request (never forwarded unrouted)."""
     log_level: str = "warning"
     """Envoy's `--log-level`."""
+    decision: Literal["auto", "ext_proc", "ext_authz"] = "auto"
+    """How Envoy asks the coordinator where a request goes, one gRPC call per request either way
+    (docs/architecture.md): `ext_authz` (a unary Check with the body; cannot rewrite the body), `ext_proc` (one
+    body message each way; rewrites bodies, which P/D modes need). `auto`: ext_authz when no engine of the mesh
+    has a prefill or decode role and `coordinator.pd_mode` is `auto` or `aggregated`, else ext_proc."""
+    access_log_flush_ms: int = Field(default=20, gt=0)
+    """How often Envoy flushes its access log to the coordinator (the entries that release finished requests'
+    workload), at the latest: under load its 16 KiB buffer fills and flushes first (about 40 entries), so a short
+    interval costs little CPU and keeps the released workload fresh at low load."""
 
 
 class ModelConfig(BaseModel):
@@ -73,6 +82,16 @@ class MeshConfig(BaseModel):
                 "(decode engines must be given an address they can reach)"
             )
         return self
+
+    @property
+    def decision_path(self) -> str:
+        """`ext_proc` or `ext_authz`: `envoy.decision` with `auto` resolved."""
+        if self.envoy.decision != "auto":
+            return self.envoy.decision
+        pd_engines = any(e.role != "hybrid" for a in self.node_agents for e in a.engines)
+        if pd_engines or self.coordinator.pd_mode not in ("auto", "aggregated"):
+            return "ext_proc"
+        return "ext_authz"
 
     @property
     def metaserver_url(self) -> str:

@@ -12,6 +12,8 @@ from typing import Any
 import jinja2
 import yaml
 
+from coordinator.access_log import METADATA_NAMESPACE
+from coordinator.openai_request import ROUTED_PATHS
 from mesh.config import MeshConfig
 from tandem.netaddr import split_host_port
 
@@ -55,7 +57,11 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
         timeouts={
             "ext_proc": _seconds(ext_proc_s),
             "ext_proc_max": _seconds(max(mesh.coordinator.prefill_budget_s, ext_proc_s)),
+            "access_log_flush": _seconds(envoy.access_log_flush_ms / 1000),
         },
+        decision=mesh.decision_path,
+        routed_paths=list(ROUTED_PATHS),
+        metadata_namespace=METADATA_NAMESPACE,
         agents=agents,
         grpc_agents=[(f"agent_{node_id}", address) for node_id, address in agents],
         coordinator=split_host_port(mesh.coordinator.listen),

@@ -1,113 +1,170 @@
-"""The ext_proc shell, driven with the messages Envoy sends (no Envoy needed; the e2e tests use a real one)."""
+"""The decision transports (ext_proc body-only exchange, ext_authz Check), driven with the messages Envoy sends
+(no Envoy needed; tests/e2e use a real one)."""
 
+import asyncio
 import json
 
+import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.service.auth.v3 import attribute_context_pb2 as ac
+from envoy.service.auth.v3 import external_auth_pb2 as ea
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
 
+from coordinator.access_log import METADATA_NAMESPACE
 from coordinator.attempts import AttemptRegistry
-from coordinator.ext_proc import DESTINATION_HEADER, ExternalProcessor
+from coordinator.decision import Decider
+from coordinator.ext_authz import DESTINATION_HEADER, Authorization
+from coordinator.ext_proc import ATTRIBUTES_NAMESPACE, ExternalProcessor
 from coordinator.handoff import HandoffRunner
+from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
+from coordinator.understand_pool import UnderstandPool
 from tests.helpers import make_picker, pd_picker
 
 URL = "http://127.0.0.1:9000/v1/metaserver/c0"
 
 
-def headers(
-    path: str, method: str = "POST", end_of_stream: bool = False, **extra: str
-) -> ep.ProcessingRequest:
-    pairs = {":path": path, ":method": method, **{k.replace("_", "-"): v for k, v in extra.items()}}
-    hm = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
-    )
-    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end_of_stream))
+class FakeStream:
+    """The read/write side of one ext_proc stream as grpc.aio gives it to the handler."""
+
+    def __init__(self, *messages: ep.ProcessingRequest, hold: asyncio.Event | None = None) -> None:
+        self.incoming = list(messages)
+        self.written: list[ep.ProcessingResponse] = []
+        self.hold = hold
+
+    async def read(self):
+        if self.incoming:
+            return self.incoming.pop(0)
+        if self.hold is not None:
+            await self.hold.wait()
+        return grpc.aio.EOF
+
+    async def write(self, message) -> None:
+        self.written.append(message)
 
 
-def body(payload) -> ep.ProcessingRequest:
+def body_message(payload, path: str = "/v1/completions", method: str = "POST", request_id: str = "abc"):
     raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    return ep.ProcessingRequest(request_body=ep.HttpBody(body=raw, end_of_stream=True))
-
-
-async def exchange(processor: ExternalProcessor, *messages: ep.ProcessingRequest, keep_open: bool = False):
-    """Runs one stream; returns the replies and, when `keep_open`, the generator (the HTTP stream still open)."""
-
-    async def requests():
-        for m in messages:
-            yield m
-
-    stream = processor.Process(requests(), None)
-    replies = [await stream.__anext__() for _ in messages]
-    if keep_open:
-        return replies, stream
-    async for _ in stream:
-        pass
-    return replies
-
-
-def processor_for(picker) -> ExternalProcessor:
-    runner = HandoffRunner(picker, 5.0, 2)
-    return ExternalProcessor(picker, runner, TriggerCoordinator(runner, AttemptRegistry(), URL), 15.0)
-
-
-def set_headers(reply: ep.ProcessingResponse) -> dict[str, str]:
-    mutation = reply.request_body.response.header_mutation
-    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
-
-
-async def test_routes_and_releases_when_envoy_ends_the_stream():
-    picker = make_picker()
-    processor = processor_for(picker)
-    req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    (h, b), stream = await exchange(
-        processor, headers("/v1/chat/completions", x_request_id="abc"), body(req), keep_open=True
+    attributes = struct_pb2.Struct()
+    attributes.update({"request.path": path, "request.method": method, "request.id": request_id})
+    return ep.ProcessingRequest(
+        request_body=ep.HttpBody(body=raw, end_of_stream=True), attributes={ATTRIBUTES_NAMESPACE: attributes}
     )
-    assert (
-        DESTINATION_HEADER in h.request_headers.response.header_mutation.remove_headers
-    )  # clients cannot choose
-    routed = set_headers(b)
-    assert routed[DESTINATION_HEADER] in {"127.0.0.1:8100", "127.0.0.1:8101"}
-    assert routed["x-request-id"] == "abc"
-    assert b.request_body.response.clear_route_cache
+
+
+def headers_message(path: str, method: str = "GET") -> ep.ProcessingRequest:
+    hm = base_pb2.HeaderMap(
+        headers=[
+            base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+            base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
+        ]
+    )
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=True))
+
+
+def decider_for(picker, pool: UnderstandPool | None = None, inline_bytes: int = 8192) -> Decider:
+    runner = HandoffRunner(picker, 5.0, 2)
+    trigger = TriggerCoordinator(runner, AttemptRegistry(), URL)
+    return Decider(picker, runner, trigger, TicketTable(picker.ledger, 60.0), pool, inline_bytes)
+
+
+async def process(decider: Decider, *messages) -> list[ep.ProcessingResponse]:
+    stream = FakeStream(*messages)
+    await ExternalProcessor(decider, 15.0).Process(None, stream)
+    return stream.written
+
+
+def decision_metadata(reply: ep.ProcessingResponse) -> dict:
+    return dict(reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.items())
+
+
+async def test_one_body_message_routes_and_the_ticket_releases():
+    picker = make_picker()
+    decider = decider_for(picker)
+    req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    (reply,) = await process(decider, body_message(req, "/v1/chat/completions?x=1"))
+    decision = decision_metadata(reply)
+    assert decision["destination"] in {"127.0.0.1:8100", "127.0.0.1:8101"}
+    assert decision["request_id"] == "abc"
+    assert not reply.request_body.response.HasField("body_mutation")  # aggregated: the client's body as is
+    # The stream is closed, the workload still held: the request runs until Envoy logs its end.
     assert picker.ledger.total_requests == 1 and picker.ledger.total_tokens > 8
-    await stream.aclose()  # Envoy ends the stream when the HTTP stream ends (completed or cut)
+    ticket = decision["ticket"]
+    assert decider.tickets.end(ticket) and not decider.tickets.end(ticket)
     assert picker.ledger.total_requests == 0 and picker.ledger.total_tokens == 0
-    assert processor.counters.routed == 1
+    assert decider.counters.routed == 1
 
 
-async def test_request_id_is_generated_when_absent():
-    processor = processor_for(make_picker())
-    _, b = await exchange(processor, headers("/v1/completions"), body({"model": "m", "prompt": "x"}))
-    assert len(set_headers(b)["x-request-id"]) == 32
-
-
-async def test_errors_are_immediate_openai_json():
-    processor = processor_for(make_picker())
-    _, bad = await exchange(processor, headers("/v1/completions"), body(b"{oops"))
+async def test_errors_and_unrouted_paths_are_answered_at_once():
+    decider = decider_for(make_picker())
+    (bad,) = await process(decider, body_message(b"{oops"))
     assert bad.immediate_response.status.code == 400
     assert json.loads(bad.immediate_response.body)["error"]["code"] == 400
-    _, unknown = await exchange(processor, headers("/v1/completions"), body({"model": "x", "prompt": "p"}))
+    (unknown,) = await process(decider, body_message({"model": "x", "prompt": "p"}))
     assert unknown.immediate_response.status.code == 404
-    (no_body,) = await exchange(processor, headers("/v1/completions", end_of_stream=True))
-    assert no_body.immediate_response.status.code == 400
-    (get,) = await exchange(processor, headers("/v1/completions", method="GET", end_of_stream=True))
+    (empty,) = await process(decider, headers_message("/v1/completions", "POST"))
+    assert empty.immediate_response.status.code == 400
+    (get,) = await process(decider, headers_message("/v1/completions"))
     assert get.immediate_response.status.code == 405
-    (other,) = await exchange(processor, headers("/v1/embeddings"))
+    (other,) = await process(decider, headers_message("/v1/embeddings", "POST"))
     assert other.immediate_response.status.code == 404
-    assert processor.counters.rejected == 5 and processor.picker.ledger.total_requests == 0
-
-
-async def test_models_lists_routable_models():
-    processor = processor_for(make_picker())
-    (reply,) = await exchange(processor, headers("/v1/models", method="GET", end_of_stream=True))
-    listed = json.loads(reply.immediate_response.body)
-    assert reply.immediate_response.status.code == 200
+    (models,) = await process(decider, headers_message("/v1/models"))
+    listed = json.loads(models.immediate_response.body)
     assert [m["id"] for m in listed["data"]] == ["m"] and listed["object"] == "list"
+    assert decider.counters.rejected == 5 and decider.picker.ledger.total_requests == 0
+    assert len(decider.tickets) == 0
+
+
+async def test_large_bodies_are_understood_in_a_worker_process_with_the_same_outcome():
+    picker = make_picker()
+    pool = UnderstandPool(1, {}, picker.config)
+    try:
+        decider = decider_for(picker, pool, inline_bytes=10)
+        (reply,) = await process(decider, body_message({"model": "m", "prompt": "a long prompt " * 50}))
+        assert decision_metadata(reply)["destination"]
+        request = await pool.understand(
+            "completions", json.dumps({"model": "m", "prompt": "a b c"}).encode(), {"m"}
+        )
+        assert (
+            request.prompts == picker.understand("completions", b'{"model": "m", "prompt": "a b c"}').prompts
+        )
+        (unknown,) = await process(decider, body_message({"model": "nope", "prompt": "x" * 20}))
+        assert unknown.immediate_response.status.code == 404  # errors cross the process boundary whole
+    finally:
+        pool.close()
+
+
+async def test_ext_authz_check_routes_with_a_header_and_denies_with_openai_json():
+    picker = make_picker()
+    decider = decider_for(picker)
+    authz = Authorization(decider)
+
+    def check(path, method, payload):
+        http = ac.AttributeContext.HttpRequest(
+            path=path, method=method, headers={"x-request-id": "rid"}, raw_body=payload
+        )
+        request = ea.CheckRequest(
+            attributes=ac.AttributeContext(request=ac.AttributeContext.Request(http=http))
+        )
+        return authz.Check(request, None)
+
+    ok = await check("/v1/completions", "POST", json.dumps({"model": "m", "prompt": "x"}).encode())
+    headers = {h.header.key: h.header.value for h in ok.ok_response.headers}
+    assert headers[DESTINATION_HEADER] in {"127.0.0.1:8100", "127.0.0.1:8101"}
+    assert headers["x-request-id"] == "rid"
+    ticket = ok.dynamic_metadata.fields["ticket"].string_value
+    assert picker.ledger.total_requests == 1
+    assert decider.tickets.end(ticket) and picker.ledger.total_requests == 0
+    denied = await check("/v1/completions", "POST", b"[]")
+    assert denied.denied_response.status.code == 400
+    assert json.loads(denied.denied_response.body)["error"]["code"] == 400
+    models = await check("/v1/models", "GET", b"")
+    assert models.denied_response.status.code == 200
+    assert json.loads(models.denied_response.body)["object"] == "list"
 
 
 async def test_client_gone_during_prefill_leg_releases_everything():
-    import asyncio
-
     from aiohttp import web
 
     started, done = asyncio.Event(), asyncio.Event()
@@ -125,23 +182,16 @@ async def test_client_gone_during_prefill_leg_releases_everything():
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     picker = pd_picker([f"127.0.0.1:{port}"])
-    processor = processor_for(picker)
-
-    async def requests():
-        yield headers("/v1/completions")
-        yield body({"model": "m", "prompt": "hello", "stream": True})
-        await asyncio.Event().wait()  # the client keeps the stream open until Envoy cancels it
-
-    async def consume():
-        async for _ in processor.Process(requests(), None):
-            pass
-
-    task = asyncio.create_task(consume())
+    decider = decider_for(picker)
+    stream = FakeStream(body_message({"model": "m", "prompt": "hello", "stream": True}))
+    task = asyncio.create_task(ExternalProcessor(decider, 15.0).Process(None, stream))
     await asyncio.wait_for(started.wait(), 5)
     assert picker.ledger.total_requests == 2  # decode leg and prefill leg
-    task.cancel()  # Envoy ends the stream: the client went away
+    assert stream.written[0].HasField("override_message_timeout")  # sent before the leg ran
+    task.cancel()  # Envoy resets the stream: the client went away
     await asyncio.gather(task, return_exceptions=True)
     assert picker.ledger.total_requests == 0 and picker.ledger.total_tokens == 0
+    assert len(decider.tickets) == 0 and decider.tickets.counters.ended["aborted"] == 1
     done.set()
-    await processor.handoff.close()
+    await decider.handoff.close()
     await runner.cleanup()

@@ -29,11 +29,12 @@ CHAT = {
 COMPLETION = {"model": "tandem-sim", "prompt": "The quick brown fox", "max_tokens": 12}
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    running = RunningMesh(
-        mesh_config(engines=2, engine_args=["--speedup", "20"]), tmp_path_factory.mktemp("mesh")
-    )
+@pytest.fixture(scope="module", params=["ext_authz", "ext_proc"])
+def mesh(request, tmp_path_factory):
+    """The mesh on each decision path (an aggregated mesh picks ext_authz by itself; ext_proc is forced)."""
+    config = mesh_config(engines=2, engine_args=["--speedup", "20"])
+    config["envoy"]["decision"] = request.param
+    running = RunningMesh(config, tmp_path_factory.mktemp("mesh"))
     running.start()
     yield running
     if running.process.poll() is None:
@@ -138,6 +139,26 @@ def test_errors_are_openai_json(mesh, body, status, fragment):
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["code"] == status and fragment in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("GET", "/v1/completions", None, 405),
+        ("POST", "/v1/embeddings", b"{}", 404),
+        ("POST", "/v1/completions", b"", 400),
+    ],
+)
+def test_requests_outside_the_routed_paths_get_openai_errors(mesh, method, path, body, status):
+    reply = httpx.request(method, mesh.http + path, content=body, timeout=30)
+    assert reply.status_code == status, reply.text
+    assert reply.json()["error"]["code"] == status
+
+
+def test_a_client_cannot_choose_the_engine(mesh):
+    headers = {"x-tandem-destination": "127.0.0.1:1"}
+    reply = httpx.post(mesh.http + "/v1/completions", json=COMPLETION, headers=headers, timeout=30)
+    assert reply.status_code == 200, reply.text
 
 
 def test_workload_returns_to_zero_after_disconnects(mesh):

@@ -77,3 +77,27 @@ def test_unreadable_and_invalid_yaml(tmp_path):
     bad.write_text("coordinator: [unclosed\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_mesh_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("envoy", "pd_mode", "role", "path"),
+    [
+        ({}, "auto", "hybrid", "ext_authz"),  # aggregated only: the cheaper call
+        ({}, "aggregated", "hybrid", "ext_authz"),
+        ({}, "auto", "decode", "ext_proc"),  # a P/D engine: bodies are rewritten
+        ({}, "prefill_handoff_decode", "hybrid", "ext_proc"),
+        ({"decision": "ext_proc"}, "auto", "hybrid", "ext_proc"),  # as the operator says
+    ],
+)
+def test_decision_path_follows_what_the_mesh_serves(envoy, pd_mode, role, path):
+    engine = {"instance_id": "e0", "model": "m", "port": 8100, "role": role}
+    if role != "hybrid":
+        engine["kv_connector"] = "NixlConnector"
+    mesh = parse_mesh_config(
+        {
+            "envoy": envoy,
+            "coordinator": {"pd_mode": pd_mode},
+            "node_agents": [{"node_id": "n1", "engines": [engine]}],
+        }
+    )
+    assert mesh.decision_path == path

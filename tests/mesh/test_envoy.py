@@ -44,19 +44,41 @@ def test_real_envoy_validates_every_shipped_mesh(mesh_file, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_ingress_never_forwards_unrouted_requests():
-    config = build_envoy_config(load_mesh_config("configs/default.yaml"), DESCRIPTOR)
-    ingress = config["static_resources"]["listeners"][0]
-    hcm = ingress["filter_chains"][0]["filters"][0]["typed_config"]
-    ext_proc = hcm["http_filters"][0]["typed_config"]
-    assert ext_proc["failure_mode_allow"] is False
-    assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
-    assert ext_proc["processing_mode"]["response_body_mode"] == "NONE"  # tokens never reach Python
+def _ingress(mesh):
+    config = build_envoy_config(mesh, DESCRIPTOR)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm, config["static_resources"]["clusters"][0]
+
+
+def test_aggregated_mesh_decides_with_ext_authz_and_never_forwards_unrouted_requests():
+    mesh = load_mesh_config("configs/default.yaml")
+    assert mesh.decision_path == "ext_authz"
+    hcm, engines = _ingress(mesh)
+    authz = hcm["http_filters"][0]["typed_config"]
+    assert authz["failure_mode_allow"] is False and authz["with_request_body"]["pack_as_bytes"] is True
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert routes[0]["match"]["headers"][0]["name"] == DESTINATION_HEADER
     assert routes[-1]["direct_response"]["status"] == 503
-    engines = config["static_resources"]["clusters"][0]
     assert engines["original_dst_lb_config"]["http_header_name"] == DESTINATION_HEADER
+    assert hcm["access_log"][0]["name"] == "envoy.access_loggers.http_grpc"  # how requests end
+
+
+def test_pd_mesh_decides_with_one_ext_proc_body_message(tmp_path):
+    mesh = parse_mesh_config({"coordinator": {"pd_mode": "concurrent_engine_sync"}})
+    assert mesh.decision_path == "ext_proc"
+    hcm, engines = _ingress(mesh)
+    ext_proc = hcm["http_filters"][0]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is False
+    mode = ext_proc["processing_mode"]
+    assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SKIP", "BUFFERED")
+    assert mode["response_body_mode"] == "NONE"  # tokens never reach Python
+    assert hcm["http_filters"][1]["name"] == "envoy.filters.http.buffer"  # routing waits for the decision
+    assert engines["original_dst_lb_config"]["metadata_key"]["key"] == "tandem"
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_ipv6_listeners(tmp_path):

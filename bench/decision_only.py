@@ -1,0 +1,251 @@
+"""Pieces for measuring a router's decision path alone, and Tandem before this branch, side by side.
+
+- `null_upstream`: a do-nothing OpenAI endpoint (raw asyncio, one process, several ports) answering every request
+  at once with a fixed completion, so that what a path adds is the router's own work.
+- `Registrar`: keeps instances registered with a coordinator and reports them healthy (what a node agent does),
+  for upstreams no agent launched (the do-nothing one) and for a coordinator no agent knows (Tandem before).
+- `BeforeTandem`: Envoy and the coordinator of another git checkout (the main branch: one ext_proc stream per
+  request with headers and body messages, released when the stream ends), exported (`git archive`) to a temporary
+  directory and run with this environment's interpreter, in front of the same engines.
+
+    python -m bench.decision_only --serve-null PORT [PORT ...]     (the do-nothing upstream; used by the bench)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import yaml
+
+from bench.harness import free_ports
+from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+_REPLY = (
+    b'{"id":"cmpl-null","object":"text_completion","created":0,"model":"null","choices":[{"index":0,'
+    b'"text":" ok","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":1,"total_tokens":2,'
+    b'"completion_tokens":1}}'
+)
+_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+    + str(len(_REPLY)).encode()
+    + b"\r\n\r\n"
+    + _REPLY
+)
+
+
+class _Null(asyncio.Protocol):
+    """HTTP/1.1 keep-alive: one fixed answer per request (headers, then a body of content-length bytes)."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.buffer = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buffer[:end].lower()
+            length = 0
+            marker = head.find(b"content-length:")
+            if marker >= 0:
+                length = int(head[marker + 15 :].split(b"\r\n", 1)[0])
+            if len(self.buffer) < end + 4 + length:
+                return
+            self.buffer = self.buffer[end + 4 + length :]
+            self.transport.write(_RESPONSE)
+
+
+def null_upstream(ports: list[int]) -> None:
+    """Serves the do-nothing endpoint on 127.0.0.1 at `ports` until killed."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for port in ports:
+            await loop.create_server(_Null, "127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    import uvloop
+
+    uvloop.run(main())
+
+
+def start_null(count: int) -> tuple[subprocess.Popen, list[str]]:
+    """A do-nothing upstream process on `count` free ports; returns it and the `host:port`s."""
+    ports = free_ports(count)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.decision_only", "--serve-null", *map(str, ports)])
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            req = urllib.request.Request(f"http://{addresses[-1]}/health")
+            urllib.request.urlopen(req, timeout=1).read()
+            return proc, addresses
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the do-nothing upstream did not start")
+
+
+class Registrar:
+    """Registers instances with a coordinator and streams HEALTHY heartbeats for them, in a thread."""
+
+    def __init__(self, coordinator: str, model: str, addresses: list[str], prefix: str) -> None:
+        self.coordinator = coordinator
+        self.instances = [
+            common_pb2.Instance(
+                instance_id=f"{prefix}-{i}",
+                model=model,
+                address=address,
+                role=common_pb2.ROLE_HYBRID,
+                dispatch_capability=common_pb2.DISPATCH_CAPABILITY_AGGREGATED,
+                backend="simengine",
+                block_size=16,
+            )
+            for i, address in enumerate(addresses)
+        ]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with grpc.insecure_channel(self.coordinator) as channel:
+                    stub = registry_pb2_grpc.RegistryStub(channel)
+                    for instance in self.instances:
+                        stub.Register(registry_pb2.RegisterRequest(instance=instance), timeout=2)
+                    for _ in stub.Heartbeat(self._beats(), timeout=None):
+                        if self._stop.is_set():
+                            return
+            except grpc.RpcError:
+                self._stop.wait(0.5)
+
+    def _beats(self):
+        while not self._stop.is_set():
+            for instance in self.instances:
+                yield registry_pb2.HeartbeatRequest(
+                    instance_id=instance.instance_id,
+                    health=common_pb2.HEALTH_HEALTHY,
+                    load=common_pb2.InstanceLoad(),
+                )
+            self._stop.wait(0.3)
+
+
+class BeforeTandem:
+    """Envoy + coordinator of another commit (`ref`, default main), exported to the work directory."""
+
+    def __init__(self, workdir: Path, ref: str = "main", policy: str = "round_robin") -> None:
+        self.ref = ref
+        self.tree = workdir / "before-tree"
+        self.workdir = workdir
+        self.policy = policy
+        self.processes: dict[str, subprocess.Popen] = {}
+        ports = free_ports(6)
+        self.http = f"127.0.0.1:{ports[0]}"
+        self.coordinator = f"127.0.0.1:{ports[3]}"
+        self.config = {
+            "envoy": {
+                "http_listen": self.http,
+                "grpc_listen": f"127.0.0.1:{ports[1]}",
+                "admin_listen": f"127.0.0.1:{ports[2]}",
+                "base_id": ports[0],
+                "log_level": "error",
+            },
+            "coordinator": {
+                "listen": self.coordinator,
+                "metrics_listen": f"127.0.0.1:{ports[4]}",
+                "heartbeat_interval_s": 0.5,
+                "scheduler": {"policy": policy},
+            },
+            "conductor": {
+                "listen": f"127.0.0.1:{ports[5]}",
+                "metrics_listen": f"127.0.0.1:{free_ports(1)[0]}",
+            },
+            "models": [{"name": "tandem-sim"}],
+        }
+
+    def commit(self) -> str:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", self.ref], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(self.tree), "TANDEM_NO_BANNER": "1"}
+
+    def start(self) -> None:
+        self.tree.mkdir(parents=True)
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", self.ref], check=True, capture_output=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(self.tree)], input=archive.stdout, check=True)
+        py = sys.executable
+        subprocess.run([py, "-m", "tandem.protogen"], cwd=self.tree, env=self._env(), check=True)
+        config_path = self.workdir / "before.yaml"
+        config_path.write_text(yaml.safe_dump(self.config))
+        log = open(self.workdir / "before-coordinator.log", "wb")  # noqa: SIM115
+        self.processes["coordinator"] = subprocess.Popen(
+            [py, "-m", "mesh", "coordinator", "--config", str(config_path)],
+            cwd=self.tree,
+            env=self._env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        rendered = subprocess.run(
+            [py, "-m", "mesh", "envoy-config", "--config", str(config_path)],
+            cwd=self.tree,
+            env=self._env(),
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        envoy_yaml = self.workdir / "before-envoy.yaml"
+        envoy_yaml.write_text(rendered)
+        from mesh.up import envoy_binary
+
+        argv = [envoy_binary(), "-c", str(envoy_yaml), "--base-id", str(self.config["envoy"]["base_id"])]
+        argv += ["--log-level", "error", "--concurrency", "1"]
+        self.processes["envoy"] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        admin = self.config["envoy"]["admin_listen"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://{admin}/ready", timeout=1).read()
+                with grpc.insecure_channel(self.coordinator) as ch:
+                    grpc.channel_ready_future(ch).result(timeout=1)
+                return
+            except (OSError, grpc.FutureTimeoutError):
+                time.sleep(0.2)
+        raise RuntimeError(f"Tandem before ({self.ref}) did not start; see {log.name}")
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.processes.items()}
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve-null"]:
+        null_upstream([int(p) for p in sys.argv[2:]])
+    else:
+        print(__doc__)

@@ -1,0 +1,162 @@
+"""One routing decision per request, shared by both of Envoy's decision transports (`ext_proc.py`,
+`ext_authz.py`): understand the body, pick, commit, issue the ticket, run the P/D preparation, and say what
+Envoy must do. The transports only translate messages.
+
+Tokenization stays off the event loop for large bodies: a body of more than `inline_bytes` is parsed and
+tokenized in a worker process (`coordinator/understand_pool.py`), so one huge prompt does not stall the decisions
+of the small ones behind it. Smaller bodies are decided inline, which costs no inter-process hop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from coordinator import metrics
+from coordinator.errors import OpenAIError
+from coordinator.handoff import HandoffRunner
+from coordinator.openai_request import ROUTED_PATHS
+from coordinator.picker import AGGREGATED, HANDOFF, TRIGGER, EndpointPicker
+from coordinator.tickets import Ticket, TicketTable
+from coordinator.trigger import TriggerCoordinator
+from coordinator.understand_pool import UnderstandPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestCounters:
+    """Requests this process routed or answered with an error since it started (for Admin.GetStats)."""
+
+    routed: int = 0
+    rejected: int = 0
+
+
+@dataclass(slots=True)
+class Routed:
+    """What Envoy must do with a routed request."""
+
+    destination: str  # `host:port` of the engine Envoy forwards to
+    request_id: str  # the `X-Request-Id` the engine gets
+    ticket: Ticket  # released when Envoy logs the request's end
+    body: bytes | None = None  # the body the engine gets instead of the client's (P/D modes)
+
+
+@dataclass(slots=True)
+class Answer:
+    """A response the coordinator gives instead of routing (errors, `/v1/models`, health)."""
+
+    status: int
+    body: bytes
+    details: str  # Envoy's response code details
+
+
+def error_answer(error: OpenAIError) -> Answer:
+    return Answer(error.status, error.body(), f"tandem_{error.status}")
+
+
+class Decider:
+    """Routes one request at a time; see the module doc."""
+
+    def __init__(
+        self,
+        picker: EndpointPicker,
+        handoff: HandoffRunner,
+        trigger: TriggerCoordinator,
+        tickets: TicketTable,
+        pool: UnderstandPool | None = None,
+        inline_bytes: int = 8192,
+    ) -> None:
+        self.picker = picker
+        self.handoff = handoff
+        self.trigger = trigger
+        self.tickets = tickets
+        self.inline_bytes = inline_bytes
+        self.counters = RequestCounters()
+        self._pool = pool
+
+    def without_body(self, method: str, path: str) -> Answer | None:
+        """The answer to a request the coordinator does not route; None for a routed path (which needs its
+        body)."""
+        api = ROUTED_PATHS.get(path)
+        if api is not None:
+            if method != "POST":
+                return self.reject(OpenAIError(405, f"Use POST for {path}."))
+            return None
+        if path == "/v1/models" and method == "GET":
+            now = int(time.time())
+            data = [
+                {"id": m, "object": "model", "created": now, "owned_by": "tandem"}
+                for m in self.picker.instances.routable_models()
+            ]
+            return Answer(200, json.dumps({"object": "list", "data": data}).encode(), "tandem_models")
+        if path in ("/health", "/ping") and method == "GET":
+            return Answer(200, b"", "tandem_health")
+        return self.reject(OpenAIError(404, f"Tandem does not route {method} {path}."))
+
+    def reject(self, error: OpenAIError) -> Answer:
+        self.counters.rejected += 1
+        metrics.REJECTED.labels(str(error.status)).inc()
+        log.info("rejected", extra={"status": error.status, "reason": error.message})
+        return error_answer(error)
+
+    async def route(
+        self,
+        path: str,
+        raw_body: bytes,
+        request_id: str,
+        extend: Callable[[], Awaitable[None]] | None = None,
+    ) -> Routed | Answer:
+        """Decides where a POST to a routed `path` goes. `extend` is awaited before a handoff prefill leg (to
+        extend Envoy's timer); None means the transport cannot rewrite the body, so P/D modes are refused."""
+        start = time.perf_counter()
+        api = ROUTED_PATHS[path]
+        try:
+            request = None
+            if len(raw_body) > self.inline_bytes and self._pool is not None:
+                request = await self._pool.understand(api, raw_body, self.picker.instances.known_models)
+            decision = await self.picker.decide(api, raw_body, request_id, request)
+        except OpenAIError as exc:
+            return self.reject(exc)
+        except Exception:
+            log.exception("routing failed")
+            return self.reject(OpenAIError(500, "The coordinator failed to route this request; see its log."))
+        ticket = self.tickets.issue([decision.target.commitment], request_id)
+        metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
+        engine_request_id = request_id
+        body = None
+        try:
+            if decision.mode != AGGREGATED and extend is None:
+                self.tickets.abort(ticket)
+                return self.reject(
+                    OpenAIError(
+                        503,
+                        "P/D serving needs the ext_proc decision path (it rewrites the body); this mesh's Envoy "
+                        "runs ext_authz. Set envoy.decision to ext_proc (or auto with P/D engines configured).",
+                    )
+                )
+            if decision.mode == TRIGGER:
+                attempt, body = self.trigger.open(decision, path)
+                registry = self.trigger.registry
+                ticket.on_end = lambda: registry.close(attempt)  # the request's end ends the attempt
+                engine_request_id = attempt.engine_request_id
+            elif decision.mode == HANDOFF:
+                assert extend is not None
+                await extend()  # Envoy waits for this reply while the prefill leg runs
+                try:
+                    body = await self.handoff.run(decision, path)
+                except OpenAIError as exc:
+                    self.tickets.abort(ticket)
+                    return self.reject(exc)
+        except BaseException:  # cancelled (the request went away) or failed before the decision left
+            self.tickets.abort(ticket)
+            raise
+        instance = decision.target.instance.info
+        self.counters.routed += 1
+        metrics.routed(instance.instance_id)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
+        return Routed(instance.address, engine_request_id, ticket, body)
