@@ -181,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         args.only = args.only or [name for name, _, _ in args.record]
     for name, title, argv_tpl, _piece in STEPS:
-        if args.report_only or (args.only and name not in args.only) or any(r[0] == name for r in args.record):
+        if (
+            args.report_only
+            or (args.only and name not in args.only)
+            or any(r[0] == name for r in args.record)
+        ):
             continue
         argv_ = [a.replace("{out}", str(out)) for a in argv_tpl]
         shown = " ".join([PY, "-m", *map(shlex.quote, argv_)])
