@@ -78,11 +78,11 @@ def build(mesh: MeshView) -> Coordinator:
     return Coordinator(app, picker, registry, admin, matcher)
 
 
-async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
-    """Marks instances without heartbeats for three intervals unhealthy."""
+async def expire_silent(picker: EndpointPicker, ttl_s: float) -> None:
+    """Marks instances without heartbeats for `ttl_s` unhealthy."""
     while True:
-        await asyncio.sleep(interval_s)
-        expired = picker.instances.expire(3 * interval_s)
+        await asyncio.sleep(min(ttl_s / 4, 1.0))
+        expired = picker.instances.expire(ttl_s)
         if expired:
             log.warning("instances silent, marked unhealthy", extra={"instances": expired})
             publish_instance_counts(picker.instances)
@@ -95,7 +95,7 @@ async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -
 
     async def after_start() -> None:
         c.matcher.start()
-        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.heartbeat_interval_s)))
+        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.instance_ttl)))
         tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
         if mesh.path and reload is not None:

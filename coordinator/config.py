@@ -113,7 +113,17 @@ class CoordinatorConfig(BaseModel):
     metrics_listen: Address = "127.0.0.1:9101"
     """Prometheus `/metrics` address."""
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
-    """How often agents report; an instance silent for three intervals is marked unhealthy."""
+    """How often agents report (health changes are reported at once, not at the next interval)."""
+    instance_ttl_s: float | None = Field(default=None, gt=0)
+    """An instance whose agent has been silent this long is marked unhealthy (its lease). Engines outlive their
+    agent: the lease is what lets an agent restart (and re-register its engines) without the engines leaving the
+    routing table. Three heartbeat intervals when unset."""
+
+    @property
+    def instance_ttl(self) -> float:
+        """`instance_ttl_s`, or three heartbeat intervals."""
+        return self.instance_ttl_s or 3 * self.heartbeat_interval_s
+
     default_max_tokens: int = Field(default=16, gt=0)
     """Output tokens counted for a completions request without `max_tokens` (vLLM's default is 16)."""
     chat_default_max_tokens: int = Field(default=256, gt=0)

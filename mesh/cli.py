@@ -34,7 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     p_cond.add_argument("--config", default=None, help="mesh config file (YAML); defaults without it")
     p_cond.add_argument("--listen", help="gRPC address, overrides the config")
     p_cond.add_argument("--metrics-listen", help="metrics address, overrides the config")
-    p_agent = sub.add_parser("agent", help="run a node agent")
+    p_agent = sub.add_parser(
+        "agent",
+        help="run a node agent (`tandem agent stop [--engines]` stops one)",
+        description="Runs a node agent. `tandem agent stop` asks a running agent to exit; its engines keep serving "
+        "for the next agent to adopt unless --engines is given.",
+    )
+    p_agent.add_argument("action", nargs="?", choices=["run", "stop"], default="run")
+    p_agent.add_argument(
+        "--engines",
+        action="store_true",
+        help="with stop: deregister and stop the node's engines too (also when the agent is not running)",
+    )
     p_agent.add_argument("--config", required=True, help="mesh config file (YAML)")
     p_agent.add_argument(
         "--node", default=None, help="node_id of this agent (optional when the file has one)"
@@ -91,7 +102,23 @@ def main(argv: list[str] | None = None) -> int:
         return _coordinator(args.config)
     if args.command == "conductor":
         return _conductor(args.config, args.listen, args.metrics_listen)
+    if args.action == "stop":
+        return _agent_stop(args.config, args.node, args.engines)
     return _agent(args.config, args.node, args.node_rank, args.master_addr)
+
+
+def _agent_stop(path: str, node: str | None, engines: bool) -> int:
+    from mesh.config import ConfigError, load_mesh_config
+    from node_agent.shutdown import shutdown_agent
+
+    try:
+        config = load_mesh_config(path).node_agent(node)
+    except ConfigError as exc:
+        print(f"tandem agent stop: config error: {exc}", file=sys.stderr)
+        return 2
+    report = shutdown_agent(config, stop_engines=engines)
+    print(report.summary(config.node_id))
+    return 0 if not report.agent_answered or report.agent_exited else 1
 
 
 def _coordinator(path: str) -> int:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
+from mesh.restarts import RestartPolicy
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
 from tandem.netaddr import Address, is_wildcard, split_host_port
@@ -39,6 +40,15 @@ class EnvoyConfig(BaseModel):
     """Envoy's `--log-level`."""
 
 
+class UpConfig(BaseModel):
+    """How `tandem up` runs the mesh's processes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    restart: RestartPolicy = RestartPolicy()
+    """Restart of a component that exits: backoff, reset after a stable run, FAILED after a crash loop."""
+
+
 class ModelConfig(BaseModel):
     """A model the mesh serves."""
 
@@ -60,6 +70,7 @@ class MeshConfig(BaseModel):
     conductor: ConductorConfig = ConductorConfig()
     models: list[ModelConfig] = []
     node_agents: list[NodeAgentConfig] = []
+    up: UpConfig = UpConfig()
     path: str = Field(default="", exclude=True)
     """The file the config came from (set by `load_mesh_config`)."""
 
