@@ -62,6 +62,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no engine {instance_id!r} on this node (known: {known})"
             )
+        assert sup is not None  # abort raised
         return sup
 
     async def GetStatus(self, request, context) -> node_agent_pb2.GetStatusResponse:
@@ -91,6 +92,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{request.instance_id!r} is already draining"
             )
+        assert sup.engine is not None  # registrable: an engine, not a store
         timeout = sup.engine.drain_timeout_s
         remaining = context.time_remaining()
         if remaining is not None:
