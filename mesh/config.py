@@ -7,7 +7,7 @@ Every section belongs to the component that reads it (`coordinator.config`, `con
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -38,6 +38,14 @@ class EnvoyConfig(BaseModel):
     """How long Envoy waits for one coordinator reply before failing the request (never forwarded unrouted)."""
     log_level: str = "warning"
     """Envoy's `--log-level`."""
+    upstream_idle_timeout_s: float = Field(default=120.0, gt=0)
+    """A routed request whose engine sends nothing for this long (no first byte, or a stalled stream) ends with 504
+    instead of waiting forever on a hung engine. Above the longest prefill of the largest prompt."""
+    engines_cluster: Literal["original_dst", "static"] = "original_dst"
+    """`original_dst`: Envoy connects to whatever `host:port` the coordinator names (any registered engine; a
+    retry can only go to the same address). `static`: the engines of `node_agents` are the cluster's endpoints and
+    the coordinator's choice is an override (`host:port[,fallback...]`): a request refused before any response byte
+    is retried once on the next named address (or another engine), and outlier detection ejects engines that fail."""
 
 
 class UpConfig(BaseModel):

@@ -13,7 +13,8 @@ import jinja2
 import yaml
 
 from mesh.config import MeshConfig
-from tandem.netaddr import split_host_port
+from node_agent.launch import Placement, registered_instance_ids
+from tandem.netaddr import join_host_port, split_host_port
 
 #: The template (a folder of the repository, next to the components: Envoy is a process of the mesh).
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
@@ -33,6 +34,18 @@ def _seconds(value: float) -> str:
     return f"{value:g}s"
 
 
+def _engine_endpoints(mesh: MeshConfig) -> list[tuple[str, int]]:
+    """(host, port) of every engine API server of the mesh file (one per local DP rank in external LB)."""
+    return sorted(
+        {
+            split_host_port(join_host_port(e.host, e.port + i))
+            for a in mesh.node_agents
+            for e in a.engines
+            for i in range(len(registered_instance_ids(e, Placement(node_rank=0))))
+        }
+    )
+
+
 def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
     """The bootstrap YAML for `mesh`, comments included; `descriptor` is the `tandem.v1` descriptor set."""
     env = jinja2.Environment(
@@ -44,6 +57,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
     envoy = mesh.envoy
     ext_proc_s = envoy.ext_proc_timeout_ms / 1000
     agents = [(a.node_id, split_host_port(a.listen)) for a in mesh.node_agents]
+    engines = _engine_endpoints(mesh) if envoy.engines_cluster == "static" else []
     return env.get_template(TEMPLATE.name).render(
         mesh=mesh,
         listen={
@@ -57,6 +71,9 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
             "ext_proc_max": _seconds(max(mesh.coordinator.prefill_budget_s, ext_proc_s)),
         },
         agents=agents,
+        engines_cluster=envoy.engines_cluster,
+        engine_endpoints=engines,
+        upstream_idle_timeout=_seconds(envoy.upstream_idle_timeout_s),
         grpc_agents=[(f"agent_{node_id}", address) for node_id, address in agents],
         coordinator=split_host_port(mesh.coordinator.listen),
         conductor=split_host_port(mesh.conductor.listen),

@@ -68,3 +68,36 @@ def test_ipv6_listeners(tmp_path):
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_engines_route_has_an_idle_timeout_and_retries_once_before_any_byte():
+    mesh = parse_mesh_config({"envoy": {"upstream_idle_timeout_s": 7}})
+    config = build_envoy_config(mesh, DESCRIPTOR)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["idle_timeout"] == "7s" and route["timeout"] == "0s"
+    assert route["retry_policy"] == {
+        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "num_retries": 1,
+    }
+
+
+def test_static_engines_cluster_lists_the_engines_and_validates(tmp_path):
+    mesh = load_mesh_config(ROOT / "configs/default.yaml").model_copy(deep=True)
+    mesh.envoy.engines_cluster = "static"
+    config = build_envoy_config(mesh, DESCRIPTOR)
+    engines = config["static_resources"]["clusters"][0]
+    endpoints = [
+        e["endpoint"]["address"]["socket_address"]
+        for e in engines["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    wanted = sorted((e.host, e.port) for a in mesh.node_agents for e in a.engines)
+    assert sorted((e["address"], e["port_value"]) for e in endpoints) == wanted
+    policy = engines["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+    assert policy["override_host_sources"] == [{"header": DESTINATION_HEADER}]
+    assert engines["outlier_detection"]["split_external_local_origin_errors"] is True
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
