@@ -9,10 +9,9 @@ import signal
 
 import pytest
 
-from bench.harness import mesh_config
 from bench.steady_load import SteadyLoad
 from tandem.v1 import admin_pb2, node_agent_pb2
-from tests.e2e.mesh import RunningMesh, metric_sum, processes_mentioning
+from tests.helpers import RunningMesh, mesh_config, metric_sum, processes_mentioning
 
 
 @pytest.fixture

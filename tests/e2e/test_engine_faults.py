@@ -9,10 +9,9 @@ import time
 
 import pytest
 
-from bench.harness import mesh_config
 from bench.steady_load import SteadyLoad
 from tandem.v1 import admin_pb2, node_agent_pb2
-from tests.e2e.mesh import RunningMesh
+from tests.helpers import RunningMesh, mesh_config
 
 
 @pytest.fixture(scope="module")

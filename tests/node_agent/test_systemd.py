@@ -9,16 +9,14 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from bench.harness import free_ports
 from node_agent.processes import read_records
 from node_agent.systemd import SystemdNotify
+from tests.helpers import ROOT, free_ports
 
-ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "tandem-agent.service"
 
 
