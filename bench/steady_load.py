@@ -93,6 +93,8 @@ class SteadyLoad:
                 ok, status, error = self._one(http, body)
                 with self._lock:
                     self.outcomes.append(Outcome(index, started, time.monotonic(), ok, status, error))
+                if not ok:
+                    self._stop.wait(0.1)  # a client that failed waits a little before its next request
 
     def _one(self, http: httpx.Client, body: dict) -> tuple[bool, int, str]:
         try:

@@ -1,0 +1,436 @@
+"""Chaos on a multi-node mesh on one machine: faults injected in turn under steady streaming load.
+
+    python -m bench.chaos [--engines-per-node 1] [--clients 6] [--gap 20] [--duration 600] [--output FILE]
+
+Layout: three "nodes" on the loopback addresses 127.0.1.1, 127.0.2.1 and 127.0.3.1, each with its node agent and
+engines (simengine) on its own address; conductor, coordinator and Envoy on 127.0.0.1; everything started by
+`tandem up`, which restarts what dies. Envoy's engines cluster is `static` (a request refused before any byte is
+retried on another engine) and the instances' lease outlasts an agent restart.
+
+Faults, in order: kill an engine; kill a node agent (its engines keep serving and are adopted); kill a whole node
+(agent and engines); kill the conductor; kill the coordinator; kill Envoy; hang an engine (SIGSTOP past the upstream
+idle timeout, then SIGCONT). For each: requests sent / ok / failed from the fault until the mesh recovered plus a
+settle period, how many of the failures had started before the fault (streams running on the process that died),
+and the time to recover. At the end every workload counter must be back to zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.harness import free_ports
+from bench.steady_load import SteadyLoad
+from tandem.v1 import admin_pb2, admin_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+NODES = ["127.0.1.1", "127.0.2.1", "127.0.3.1"]
+MODEL = "tandem-sim"
+IDLE_TIMEOUT_S = 3.0
+
+
+def free_port_on(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def multi_node_config(engines_per_node: int = 1, speedup: float = 10) -> dict:
+    """Three nodes on 127.0.{1,2,3}.1, each with an agent and `engines_per_node` simengines."""
+    ports = free_ports(7)
+    addr = [f"127.0.0.1:{p}" for p in ports]
+    agents = []
+    for n, host in enumerate(NODES, start=1):
+        agents.append(
+            {
+                "node_id": f"n{n}",
+                "listen": f"{host}:{free_port_on(host)}",
+                "metrics_listen": f"{host}:{free_port_on(host)}",
+                "runtime_dir": tempfile.mkdtemp(prefix=f"tandem-chaos-n{n}-"),
+                "restart": {"initial_backoff_s": 0.2, "max_backoff_s": 1.0},
+                "engines": [
+                    {
+                        "instance_id": f"n{n}-sim-{i}",
+                        "model": MODEL,
+                        "host": host,
+                        "port": free_port_on(host),
+                        "args": ["--speedup", str(speedup)],
+                    }
+                    for i in range(engines_per_node)
+                ],
+            }
+        )
+    return {
+        "envoy": {
+            "http_listen": addr[0],
+            "grpc_listen": addr[1],
+            "admin_listen": addr[2],
+            "base_id": ports[0],
+            "engines_cluster": "static",
+            "upstream_idle_timeout_s": IDLE_TIMEOUT_S,
+        },
+        "coordinator": {
+            "listen": addr[3],
+            "metrics_listen": addr[4],
+            "heartbeat_interval_s": 0.5,
+            # Engines outlive their agent: their lease covers an agent restart; a dead node's engines are still
+            # named for that long, and Envoy retries what they refuse on another engine.
+            "instance_ttl_s": 10,
+        },
+        "conductor": {"listen": addr[5], "metrics_listen": addr[6]},
+        "models": [{"name": MODEL}],
+        "up": {"restart": {"initial_backoff_s": 0.2, "max_backoff_s": 2.0}},
+        "node_agents": agents,
+    }
+
+
+class UpProcess:
+    """`tandem up` in a subprocess, with what the faults need to find and watch its processes."""
+
+    def __init__(self, config: dict, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.config_path = workdir / "mesh.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.run_dir = workdir / "run"
+        self.output = workdir / "up.out"
+        self.process: subprocess.Popen | None = None
+        self.fault_at = 0.0  # monotonic time of the last fault's signal
+
+    def signal(self, pid: int, signum: int = signal.SIGKILL) -> None:
+        """Sends the fault's signal, noting when (requests started before it were running at the fault)."""
+        if not self.fault_at:
+            self.fault_at = time.monotonic()
+        os.kill(pid, signum)
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.config['envoy']['http_listen']}"
+
+    def start(self, timeout: float = 120) -> None:
+        with open(self.output, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "mesh", "up", "--config", str(self.config_path), "--run-dir", str(self.run_dir)],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TANDEM_NO_BANNER": "1"},
+            )  # fmt: skip
+        wait(
+            lambda: "Tandem is up." in self.output.read_text() or self.process.poll() is not None,
+            timeout,
+            "up",
+        )
+        if self.process.poll() is not None:
+            raise RuntimeError(f"tandem up exited:\n{self.output.read_text()}")
+
+    def stop(self) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            return self.process.wait(120)
+        return self.process.returncode
+
+    def status(self) -> dict:
+        return json.loads((self.run_dir / "status.json").read_text())
+
+    def pid(self, component: str) -> int:
+        return int(self.status()[component]["pid"])
+
+    def restarts(self, component: str) -> int:
+        return int(self.status()[component]["restarts"])
+
+    def agent_address(self, node: str) -> str:
+        return next(a["listen"] for a in self.config["node_agents"] if a["node_id"] == node)
+
+    def engines(self, node: str) -> dict[str, node_agent_pb2.EngineStatus]:
+        with grpc.insecure_channel(self.agent_address(node)) as channel:
+            reply = node_agent_pb2_grpc.NodeAgentStub(channel).GetStatus(
+                node_agent_pb2.GetStatusRequest(), timeout=2
+            )
+        return {e.instance.instance_id: e for e in reply.engines}
+
+    def admin(self, call: str, request):
+        with grpc.insecure_channel(self.config["coordinator"]["listen"]) as channel:
+            return getattr(admin_pb2_grpc.AdminStub(channel), call)(request, timeout=2)
+
+    def healthy_instances(self) -> set[str]:
+        listed = self.admin("ListInstances", admin_pb2.ListInstancesRequest()).instances
+        return {i.instance.instance_id for i in listed if i.health == 2}
+
+    def all_instances(self) -> set[str]:
+        return {e["instance_id"] for a in self.config["node_agents"] for e in a["engines"]}
+
+    def serving(self, address: str) -> bool:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def envoy_ready(self) -> bool:
+        url = f"http://{self.config['envoy']['admin_listen']}/ready"
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+
+
+def wait(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if quietly(predicate):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def quietly(predicate: Callable[[], object]) -> bool:
+    try:
+        return bool(predicate())
+    except (grpc.RpcError, OSError, KeyError, ValueError, TypeError):
+        return False
+
+
+# --- faults: each injects itself and returns the predicate that says the mesh recovered ------------------------
+
+
+def kill_engine(up: UpProcess) -> Callable[[], bool]:
+    iid = next(iter(up.engines("n1")))
+    old = up.engines("n1")[iid].pid
+    up.signal(old)
+
+    def back() -> bool:
+        engine = up.engines("n1")[iid]
+        running = engine.state == node_agent_pb2.ENGINE_STATE_RUNNING
+        return running and engine.pid not in (0, old) and iid in up.healthy_instances()
+
+    return back
+
+
+def kill_agent(up: UpProcess) -> Callable[[], bool]:
+    before = {iid: e.pid for iid, e in up.engines("n2").items()}
+    restarts = up.restarts("agent-n2")
+    up.signal(up.pid("agent-n2"))
+
+    def adopted() -> bool:
+        if up.restarts("agent-n2") <= restarts:
+            return False
+        now = up.engines("n2")
+        return (
+            all(e.adopted and e.pid == before[iid] for iid, e in now.items())
+            and set(now) <= up.healthy_instances()
+        )
+
+    return adopted
+
+
+def kill_node(up: UpProcess) -> Callable[[], bool]:
+    engines = {iid: e.pid for iid, e in up.engines("n3").items()}
+    restarts = up.restarts("agent-n3")
+    up.signal(up.pid("agent-n3"))
+    for pid in engines.values():
+        up.signal(pid)
+
+    def back() -> bool:
+        if up.restarts("agent-n3") <= restarts:
+            return False
+        now = up.engines("n3")
+        fresh = all(
+            e.pid not in (0, engines[iid]) and e.state == node_agent_pb2.ENGINE_STATE_RUNNING
+            for iid, e in now.items()
+        )
+        return fresh and set(now) <= up.healthy_instances()
+
+    return back
+
+
+def kill_component(
+    name: str, ready: Callable[[UpProcess], bool]
+) -> Callable[[UpProcess], Callable[[], bool]]:
+    def inject(up: UpProcess) -> Callable[[], bool]:
+        restarts = up.restarts(name)
+        up.signal(up.pid(name))
+        return lambda: up.restarts(name) > restarts and up.status()[name]["pid"] is not None and ready(up)
+
+    return inject
+
+
+def hang_engine(up: UpProcess) -> Callable[[], bool]:
+    iid = next(iter(up.engines("n1")))
+    pid = up.engines("n1")[iid].pid
+    up.signal(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    state = {"resumed": False}
+
+    def recovered() -> bool:
+        if not state["resumed"]:
+            if iid in up.healthy_instances():
+                return False  # not ejected yet
+            if time.monotonic() - stopped_at < IDLE_TIMEOUT_S + 1.5:
+                return False  # hung past the idle timeout: its requests end instead of waiting
+            os.kill(pid, signal.SIGCONT)
+            state["resumed"] = True
+        return iid in up.healthy_instances()
+
+    return recovered
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    inject: Callable[[UpProcess], Callable[[], bool]]
+    collateral_free: bool  # only requests running on the faulty process may fail
+
+
+FAULTS = [
+    Fault("kill an engine", kill_engine, True),
+    Fault("kill a node agent", kill_agent, True),
+    Fault("kill a whole node", kill_node, True),
+    Fault(
+        "kill the conductor",
+        kill_component("conductor", lambda up: up.serving(up.config["conductor"]["listen"])),
+        True,
+    ),
+    Fault(
+        "kill the coordinator (one replica)",
+        kill_component(
+            "coordinator",
+            lambda up: (
+                up.serving(up.config["coordinator"]["listen"])
+                and up.healthy_instances() == up.all_instances()
+            ),
+        ),
+        False,
+    ),
+    Fault("kill Envoy", kill_component("envoy", UpProcess.envoy_ready), False),
+    Fault("hang an engine (SIGSTOP)", hang_engine, True),
+]
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    sent: int
+    ok: int
+    failed: int
+    failed_running_at_fault: int  # failures that had started before the fault
+    recover_s: float
+    collateral_free: bool
+    errors: list[str]
+
+    @property
+    def collateral(self) -> int:
+        return self.failed - self.failed_running_at_fault
+
+
+def run_fault(
+    up: UpProcess, load: SteadyLoad, fault: Fault, settle_s: float, timeout_s: float = 60
+) -> FaultResult:
+    wait(
+        lambda: up.healthy_instances() == up.all_instances(),
+        timeout_s,
+        "every engine healthy before the fault",
+    )
+    up.fault_at = 0.0
+    recovered = fault.inject(up)
+    started = up.fault_at
+    wait(recovered, timeout_s, f"recovery from {fault.name!r}")
+    recover_s = time.monotonic() - started
+    served = load.count(ok=True)
+    wait(lambda: load.count(ok=True) >= served + 6, timeout_s, "requests served after the recovery")
+    time.sleep(settle_s)  # the window keeps what ends late (bounded streams)
+    end = time.monotonic()
+    report = load.report(started, end)
+    with load._lock:
+        failed = [o for o in load.outcomes if started <= o.ended < end and not o.ok]
+    early = sum(1 for o in failed if o.started < started)
+    return FaultResult(
+        fault.name, report.sent, report.ok, report.failed, early, recover_s, fault.collateral_free,
+        [o.error for o in failed],
+    )  # fmt: skip
+
+
+def run_chaos(
+    up: UpProcess,
+    clients: int = 6,
+    gap_s: float = 1.0,
+    duration_s: float = 0.0,
+    faults: list[Fault] | None = None,
+) -> list[FaultResult]:
+    """Runs the faults in turn under steady load, once each, or cycling until `duration_s` has passed; returns one
+    result per fault injected."""
+    load = SteadyLoad(up.http, MODEL, clients=clients, max_tokens=24, timeout_s=30).start()
+    results = []
+    started = time.monotonic()
+    try:
+        wait(lambda: load.count(ok=True) >= 2 * clients, 60, "load flowing")
+        while True:
+            for fault in faults or FAULTS:
+                results.append(run_fault(up, load, fault, settle_s=1.0))
+                time.sleep(gap_s)
+                if duration_s and time.monotonic() - started >= duration_s:
+                    return results
+            if not duration_s:
+                return results
+    finally:
+        load.stop()
+
+
+def workload_zero(up: UpProcess) -> bool:
+    stats = up.admin("GetStats", admin_pb2.GetStatsRequest())
+    return stats.requests_inflight == 0 and stats.workload_tokens == 0
+
+
+def table(results: list[FaultResult]) -> str:
+    """One row per fault kind (summed over its occurrences; recovery as the worst)."""
+    lines = [
+        "| fault | times | sent | ok | failed | of which running at the fault | recovered in (worst) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(r.fault for r in results):
+        rs = [r for r in results if r.fault == name]
+        lines.append(
+            f"| {name} | {len(rs)} | {sum(r.sent for r in rs)} | {sum(r.ok for r in rs)} | "
+            f"{sum(r.failed for r in rs)} | {sum(r.failed_running_at_fault for r in rs)} | "
+            f"{max(r.recover_s for r in rs):.1f} s |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines-per-node", type=int, default=1)
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--gap", type=float, default=20.0, help="seconds between faults")
+    parser.add_argument(
+        "--duration", type=float, default=0.0, help="cycle the faults this long (0: each once)"
+    )
+    parser.add_argument("--output", default=None, help="markdown file for the table")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tandem-chaos-") as tmp:
+        up = UpProcess(multi_node_config(args.engines_per_node), Path(tmp))
+        up.start()
+        try:
+            results = run_chaos(up, args.clients, args.gap, args.duration)
+            wait(lambda: workload_zero(up), 60, "workload back to zero")
+        finally:
+            up.stop()
+    text = table(results)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
