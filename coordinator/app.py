@@ -20,6 +20,7 @@ from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker, TokenizerCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
+from coordinator.shared_state import LocalState, SharedState
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
 from tandem.grpc_server import GrpcApp
@@ -42,6 +43,7 @@ class Coordinator:
     """The parts of one coordinator process."""
 
     app: GrpcApp
+    shared: SharedState
     picker: EndpointPicker
     registry: RegistryService
     admin: AdminService
@@ -63,8 +65,13 @@ def build(mesh: MeshView) -> Coordinator:
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
     ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
-    registry = RegistryService(instances, config)
-    admin = AdminService(picker, ext_proc.counters, mesh)
+    shared: SharedState = LocalState()
+    if config.etcd is not None:
+        from coordinator.etcd_state import EtcdState
+
+        shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
+    registry = RegistryService(instances, config, shared)
+    admin = AdminService(picker, ext_proc.counters, mesh, shared)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)
     app.add_service("tandem.v1.Admin", admin_pb2_grpc.add_AdminServicer_to_server, admin)
@@ -75,7 +82,8 @@ def build(mesh: MeshView) -> Coordinator:
     metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
-    return Coordinator(app, picker, registry, admin, matcher)
+    app.on_stop(shared.close)
+    return Coordinator(app, shared, picker, registry, admin, matcher)
 
 
 async def expire_silent(picker: EndpointPicker, ttl_s: float) -> None:
@@ -94,6 +102,7 @@ async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -
     tasks: list[asyncio.Task] = []
 
     async def after_start() -> None:
+        await c.shared.start(c.picker.instances)
         c.matcher.start()
         tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.instance_ttl)))
         tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))

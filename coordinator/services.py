@@ -18,6 +18,7 @@ from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_pro
 from coordinator.ext_proc import RequestCounters
 from coordinator.instances import Health, InstanceTable
 from coordinator.picker import EndpointPicker
+from coordinator.shared_state import LocalState, SharedState
 from coordinator.trigger import TriggerCoordinator
 from tandem.logs import request_id_var
 from tandem.v1 import (
@@ -44,9 +45,12 @@ def publish_instance_counts(instances: InstanceTable) -> None:
 class RegistryService(registry_pb2_grpc.RegistryServicer):
     """Node agents register instances and report their health and load."""
 
-    def __init__(self, instances: InstanceTable, config: CoordinatorConfig) -> None:
+    def __init__(
+        self, instances: InstanceTable, config: CoordinatorConfig, shared: SharedState | None = None
+    ) -> None:
         self.instances = instances
         self.config = config
+        self.shared = shared or LocalState()  # where other replicas learn what this one hears
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
 
     async def Register(self, request: registry_pb2.RegisterRequest, context) -> registry_pb2.RegisterResponse:
@@ -55,6 +59,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.instances.register(info)
+        self.shared.registered(info)
         publish_instance_counts(self.instances)
         log.info(
             "registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address}
@@ -70,7 +75,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         try:
             async for beat in request_iterator:
                 health = HEALTH_NAMES.get(beat.health, Health.UNHEALTHY)
-                known = self.instances.heartbeat(beat.instance_id, health, load_from_proto(beat.load))
+                load = load_from_proto(beat.load)
+                known = self.instances.heartbeat(beat.instance_id, health, load)
+                if known:
+                    self.shared.reported(beat.instance_id, health, load)
                 yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=known)
         finally:
             self.open_streams -= 1
@@ -80,6 +88,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self, request: registry_pb2.DeregisterRequest, context
     ) -> registry_pb2.DeregisterResponse:
         state = self.instances.deregister(request.instance_id)
+        self.shared.deregistered(request.instance_id)
         publish_instance_counts(self.instances)
         log.info("deregistered", extra={"instance": request.instance_id, "reason": request.reason})
         return registry_pb2.DeregisterResponse(found=state is not None)
@@ -88,7 +97,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 class AdminService(admin_pb2_grpc.AdminServicer):
     """The operator's view: instances, drain, config, stats."""
 
-    def __init__(self, picker: EndpointPicker, counters: RequestCounters, mesh) -> None:
+    def __init__(
+        self, picker: EndpointPicker, counters: RequestCounters, mesh, shared: SharedState | None = None
+    ) -> None:
+        self.shared = shared or LocalState()
         self.picker = picker
         self.counters = counters
         self.mesh = mesh  # the running config; its scheduler section follows reloads
@@ -111,6 +123,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {instance_id!r} is registered")
         assert state is not None  # abort raised
         state.drained = drained
+        self.shared.drain_set(instance_id, drained)
         log.info("drained" if drained else "undrained", extra={"instance": instance_id})
         return self._status(instance_id)
 

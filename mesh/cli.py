@@ -30,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     p_envoy.add_argument("--config", required=True)
     p_coord = sub.add_parser("coordinator", help="run the coordinator")
     p_coord.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_coord.add_argument(
+        "--replica",
+        type=int,
+        default=None,
+        help="run replica I of coordinator.replicas (name c<I>, ports +10*I)",
+    )
     p_cond = sub.add_parser("conductor", help="run the conductor (the KV index)")
     p_cond.add_argument("--config", default=None, help="mesh config file (YAML); defaults without it")
     p_cond.add_argument("--listen", help="gRPC address, overrides the config")
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return up(mesh, args.config, Path(args.run_dir).resolve(), args.engine_timeout)
     if args.command == "coordinator":
-        return _coordinator(args.config)
+        return _coordinator(args.config, args.replica)
     if args.command == "conductor":
         return _conductor(args.config, args.listen, args.metrics_listen)
     if args.action == "stop":
@@ -121,14 +127,22 @@ def _agent_stop(path: str, node: str | None, engines: bool) -> int:
     return 0 if not report.agent_answered or report.agent_exited else 1
 
 
-def _coordinator(path: str) -> int:
+def _coordinator(path: str, replica: int | None) -> int:
     from coordinator.app import run
-    from mesh.config import load_mesh_config
+    from mesh.config import ConfigError, load_mesh_config
     from tandem.process import run_component
 
-    return run_component(
-        "coordinator", lambda: load_mesh_config(path), lambda mesh: run(mesh, load_mesh_config)
-    )
+    def load(file: str | Path) -> MeshConfig:
+        mesh = load_mesh_config(file)
+        if replica is None:
+            return mesh
+        try:
+            section = mesh.coordinator.replica_config(replica)
+        except ValueError as exc:
+            raise ConfigError(f"{file}: coordinator.replicas: {exc}") from None
+        return mesh.model_copy(update={"coordinator": section})
+
+    return run_component("coordinator", lambda: load(path), lambda mesh: run(mesh, load))
 
 
 def _conductor(path: str | None, listen: str | None, metrics_listen: str | None) -> int:
@@ -165,7 +179,9 @@ def _agent(path: str, node: str | None, node_rank: int | None, master_addr: str 
 
     def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
         config = mesh.node_agent(node)
-        coordinator = config.coordinator_address or mesh.coordinator.listen
+        # Replicas: the agent reports through Envoy's gRPC listener, which picks a live replica.
+        default = mesh.envoy.grpc_listen if mesh.coordinator.replicas > 1 else mesh.coordinator.listen
+        coordinator = config.coordinator_address or default
         conductor = config.conductor_address or mesh.conductor.listen
         return run(config, coordinator, conductor, mesh.path, placement)
 

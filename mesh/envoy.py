@@ -76,6 +76,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
         upstream_idle_timeout=_seconds(envoy.upstream_idle_timeout_s),
         grpc_agents=[(f"agent_{node_id}", address) for node_id, address in agents],
         coordinator=split_host_port(mesh.coordinator.listen),
+        coordinators=[split_host_port(a) for a in mesh.coordinator.replica_listens],
         conductor=split_host_port(mesh.conductor.listen),
         destination_header=DESTINATION_HEADER,
         node_header=NODE_HEADER,

@@ -145,11 +145,16 @@ class Mesh:
         conductor = self._component(
             "conductor", [py, "-m", "mesh", "conductor", "--config", self.config_path]
         )
-        coordinator = self._component(
-            "coordinator", [py, "-m", "mesh", "coordinator", "--config", self.config_path]
-        )
+        section = self.mesh.coordinator
+        coordinators = []
+        for i in range(section.replicas):
+            argv = [py, "-m", "mesh", "coordinator", "--config", self.config_path]
+            name = "coordinator" if section.replicas == 1 else f"coordinator-c{i}"
+            extra = [] if section.replicas == 1 else ["--replica", str(i)]
+            coordinators.append((self._component(name, argv + extra), section.replica_config(i).listen))
         _wait(conductor, lambda: _grpc_serving(self.mesh.conductor.listen), 30)
-        _wait(coordinator, lambda: _grpc_serving(self.mesh.coordinator.listen), 30)
+        for component, address in coordinators:
+            _wait(component, lambda a=address: _grpc_serving(a), 30)
         envoy_yaml = write_envoy_config(self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml")
         envoy_argv = [envoy_binary(), "-c", str(envoy_yaml), "--base-id", str(self.mesh.envoy.base_id)]
         envoy_argv += ["--log-level", self.mesh.envoy.log_level, "--concurrency", "1"]

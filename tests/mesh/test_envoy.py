@@ -98,3 +98,21 @@ def test_static_engines_cluster_lists_the_engines_and_validates(tmp_path):
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
+    mesh = parse_mesh_config(
+        {"coordinator": {"listen": "127.0.0.1:9100", "replicas": 2, "etcd": {"endpoint": "127.0.0.1:2379"}}}
+    )
+    clusters = {c["name"]: c for c in build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["clusters"]}
+    coordinator = clusters["coordinator"]
+    ports = [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in coordinator["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert ports == [9100, 9110] and "grpc_health_check" in coordinator["health_checks"][0]
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
