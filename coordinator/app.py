@@ -55,7 +55,7 @@ def build(mesh: MeshView) -> Coordinator:
     config = mesh.coordinator
     instances = InstanceTable(m.name for m in mesh.models)
     tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
-    matcher = ConductorMatcher(mesh.conductor.listen, config.scheduler.match_timeout_ms / 1000)
+    matcher = ConductorMatcher(mesh.conductor_match_address, config.scheduler.match_timeout_ms / 1000)
     picker = EndpointPicker(
         config, instances, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher
     )

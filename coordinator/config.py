@@ -245,6 +245,11 @@ class MeshView(Protocol):
         """The callback URL decode engines get in trigger mode."""
         ...
 
+    @property
+    def conductor_match_address(self) -> str:
+        """Where the Match stream goes: the conductor, or Envoy's gRPC listener in front of its replicas."""
+        ...
+
     def model_dump(self, *, mode: Any = ..., exclude: Any = ...) -> dict[str, Any]:
         """The whole effective config (Admin/GetConfig, reload comparisons)."""
         ...

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p_cond.add_argument("--config", default=None, help="mesh config file (YAML); defaults without it")
     p_cond.add_argument("--listen", help="gRPC address, overrides the config")
     p_cond.add_argument("--metrics-listen", help="metrics address, overrides the config")
+    p_cond.add_argument(
+        "--replica", type=int, default=None, help="run replica I of conductor.replicas (ports +10*I)"
+    )
     p_agent = sub.add_parser(
         "agent",
         help="run a node agent (`tandem agent stop [--engines]` stops one)",
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "coordinator":
         return _coordinator(args.config, args.replica)
     if args.command == "conductor":
-        return _conductor(args.config, args.listen, args.metrics_listen)
+        return _conductor(args.config, args.listen, args.metrics_listen, args.replica)
     if args.action == "stop":
         return _agent_stop(args.config, args.node, args.engines)
     return _agent(args.config, args.node, args.node_rank, args.master_addr)
@@ -145,15 +148,20 @@ def _coordinator(path: str, replica: int | None) -> int:
     return run_component("coordinator", lambda: load(path), lambda mesh: run(mesh, load))
 
 
-def _conductor(path: str | None, listen: str | None, metrics_listen: str | None) -> int:
+def _conductor(path: str | None, listen: str | None, metrics_listen: str | None, replica: int | None) -> int:
     from conductor.config import ConductorConfig
     from conductor.serve import serve
-    from mesh.config import load_mesh_config, parse_mesh_config
+    from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
     from tandem.config_file import validate
     from tandem.process import run_component
 
     def load() -> ConductorConfig:
         config = (load_mesh_config(path) if path else parse_mesh_config({}, "<defaults>")).conductor
+        if replica is not None:
+            try:
+                config = config.replica_config(replica)
+            except ValueError as exc:
+                raise ConfigError(f"{path}: conductor.replicas: {exc}") from None
         overrides = {k: v for k, v in (("listen", listen), ("metrics_listen", metrics_listen)) if v}
         if not overrides:
             return config
@@ -182,7 +190,7 @@ def _agent(path: str, node: str | None, node_rank: int | None, master_addr: str 
         # Replicas: the agent reports through Envoy's gRPC listener, which picks a live replica.
         default = mesh.envoy.grpc_listen if mesh.coordinator.replicas > 1 else mesh.coordinator.listen
         coordinator = config.coordinator_address or default
-        conductor = config.conductor_address or mesh.conductor.listen
+        conductor = [config.conductor_address] if config.conductor_address else mesh.conductor.replica_listens
         return run(config, coordinator, conductor, mesh.path, placement)
 
     return run_component("node-agent", lambda: load_mesh_config(path), main)

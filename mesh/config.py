@@ -99,6 +99,12 @@ class MeshConfig(BaseModel):
         address = self.coordinator.metaserver_address or self.envoy.grpc_listen
         return f"http://{address}/v1/metaserver/{self.coordinator.replica}"
 
+    @property
+    def conductor_match_address(self) -> str:
+        """The coordinator's Match stream: the conductor, or with replicas Envoy's gRPC listener, which sends it to a
+        healthy replica (and to another one when that one dies)."""
+        return self.envoy.grpc_listen if self.conductor.replicas > 1 else self.conductor.listen
+
     def node_agent(self, node_id: str | None) -> NodeAgentConfig:
         """The agent section for `node_id`; the only one when `node_id` is None."""
         if node_id is None:

@@ -77,6 +77,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
         grpc_agents=[(f"agent_{node_id}", address) for node_id, address in agents],
         coordinator=split_host_port(mesh.coordinator.listen),
         coordinators=[split_host_port(a) for a in mesh.coordinator.replica_listens],
+        conductors=[split_host_port(a) for a in mesh.conductor.replica_listens],
         conductor=split_host_port(mesh.conductor.listen),
         destination_header=DESTINATION_HEADER,
         node_header=NODE_HEADER,

@@ -142,9 +142,13 @@ class Mesh:
         if not DESCRIPTOR.exists():
             raise StartError(f"{DESCRIPTOR} is missing: run `make protos`")
         py = sys.executable
-        conductor = self._component(
-            "conductor", [py, "-m", "mesh", "conductor", "--config", self.config_path]
-        )
+        conductors = []
+        for i in range(self.mesh.conductor.replicas):
+            argv = [py, "-m", "mesh", "conductor", "--config", self.config_path]
+            single = self.mesh.conductor.replicas == 1
+            name = "conductor" if single else f"conductor-{i}"
+            component = self._component(name, argv + ([] if single else ["--replica", str(i)]))
+            conductors.append((component, self.mesh.conductor.replica_config(i).listen))
         section = self.mesh.coordinator
         coordinators = []
         for i in range(section.replicas):
@@ -152,7 +156,8 @@ class Mesh:
             name = "coordinator" if section.replicas == 1 else f"coordinator-c{i}"
             extra = [] if section.replicas == 1 else ["--replica", str(i)]
             coordinators.append((self._component(name, argv + extra), section.replica_config(i).listen))
-        _wait(conductor, lambda: _grpc_serving(self.mesh.conductor.listen), 30)
+        for component, address in conductors:
+            _wait(component, lambda a=address: _grpc_serving(a), 30)
         for component, address in coordinators:
             _wait(component, lambda a=address: _grpc_serving(a), 30)
         envoy_yaml = write_envoy_config(self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml")

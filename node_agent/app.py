@@ -34,7 +34,7 @@ class NodeAgent:
         self,
         config: NodeAgentConfig,
         coordinator_address: str,
-        conductor_address: str,
+        conductor_address: str | list[str],
         placement: Placement | None = None,
     ) -> None:
         self.config = config
@@ -43,7 +43,10 @@ class NodeAgent:
         self.stop_engines_on_exit = False
         self.supervisors: dict[str, EngineSupervisor] = {}
         self.link = CoordinatorLink(coordinator_address, config.node_id, self._engine_supervisors)
-        self.relay = KvEventRelay(conductor_address, config.node_id)
+        # One relay per conductor replica: every replica indexes every engine, so any of them can answer a Match.
+        addresses = [conductor_address] if isinstance(conductor_address, str) else list(conductor_address)
+        self.relays = [KvEventRelay(address, config.node_id) for address in addresses]
+        self.relay = self.relays[0]
         self.services = build_services(config, self.runtime_dir, placement or Placement(), self._changed)
         for service in self.services:
             for sup in service.supervisors:
@@ -62,13 +65,15 @@ class NodeAgent:
         if sup.state is EngineState.RUNNING and sup.spec.kv_events and name not in self._relayed:
             self._relayed.add(name)
             for source in sup.spec.kv_events:
-                self.relay.add_source(
-                    sup.spec.events_instance or name, sup.engine.model, sup.engine.block_size, source.dp_rank, source.endpoint,
-                    source.replay_endpoint,
-                )  # fmt: skip
+                for relay in self.relays:
+                    relay.add_source(
+                        sup.spec.events_instance or name, sup.engine.model, sup.engine.block_size, source.dp_rank,
+                        source.endpoint, source.replay_endpoint,
+                    )  # fmt: skip
         elif sup.state is not EngineState.RUNNING and name in self._relayed:
             self._relayed.discard(name)
-            self.relay.remove_source(sup.spec.events_instance or name)
+            for relay in self.relays:
+                relay.remove_source(sup.spec.events_instance or name)
         await self.link.changed(sup)
 
     def prepare(self) -> None:
@@ -79,7 +84,7 @@ class NodeAgent:
     async def start(self) -> None:
         """Launches the services in order (store first) and the links."""
         self._tasks.append(asyncio.create_task(self.link.run()))
-        self._tasks.append(asyncio.create_task(self.relay.run()))
+        self._tasks.extend(asyncio.create_task(relay.run()) for relay in self.relays)
         for service in self.services:
             log.info(
                 "launching service", extra={"service": service.name, "processes": len(service.supervisors)}
@@ -105,14 +110,15 @@ class NodeAgent:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self.relay.close()
+        for relay in self.relays:
+            await relay.close()
         await self.link.close()
 
 
 async def run(
     config: NodeAgentConfig,
     coordinator_address: str,
-    conductor_address: str,
+    conductor_address: str | list[str],
     source: str,
     placement: Placement | None = None,
 ) -> None:
