@@ -78,6 +78,10 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
         coordinator=split_host_port(mesh.coordinator.listen),
         coordinators=[split_host_port(a) for a in mesh.coordinator.replica_listens],
         conductors=[split_host_port(a) for a in mesh.conductor.replica_listens],
+        # One cluster per coordinator replica, for the metaserver callbacks that must reach it.
+        replica_clusters=[
+            (f"coordinator_c{i}", split_host_port(a)) for i, a in enumerate(mesh.coordinator.replica_listens)
+        ],
         conductor=split_host_port(mesh.conductor.listen),
         destination_header=DESTINATION_HEADER,
         node_header=NODE_HEADER,

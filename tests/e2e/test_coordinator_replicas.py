@@ -9,6 +9,7 @@ import signal
 import time
 
 import grpc
+import httpx
 
 from bench.steady_load import SteadyLoad
 from tandem.v1 import admin_pb2, admin_pb2_grpc
@@ -48,12 +49,21 @@ def test_replicas_share_instances_and_survive_one_dying(tmp_path, etcd):
         admin(replicas[0]).UndrainInstance(admin_pb2.UndrainInstanceRequest(instance_id="sim-0"), timeout=5)
         mesh.wait_for(lambda: healthy(replicas[1]) == everyone, 1.0, "undrain seen by c1")
 
+        # A trigger callback reaches the replica its URL names, never another one.
+        callbacks = f"http://{config['envoy']['grpc_listen']}/v1/metaserver"
+        for replica in ("c0", "c1", "c0", "c1", "c1", "c1"):
+            reply = httpx.post(f"{callbacks}/{replica}", json={"request_id": "no-such-attempt"}, timeout=5)
+            assert reply.status_code == 404 and "reached" not in reply.text, reply.text
+
         load = SteadyLoad(mesh.http, "tandem-sim", clients=6, timeout_s=30).start()
         try:
             mesh.wait_for(lambda: load.count(ok=True) >= 12, 60, "load flowing")
             status = json.loads((mesh.run_dir / "status.json").read_text())
             killed_at = time.monotonic()
             os.kill(status["coordinator-c1"]["pid"], signal.SIGKILL)
+            # A callback for the dead replica's attempt ends at once with a clear error (no other replica has it).
+            reply = httpx.post(f"{callbacks}/c1", json={"request_id": "on-the-dead-one"}, timeout=5)
+            assert reply.status_code == 503 and reply.elapsed.total_seconds() < 2, reply.text
             served = load.count(ok=True)
             mesh.wait_for(lambda: load.count(ok=True) >= served + 12, 60, "the other replica decides")
             mesh.wait_for(lambda: healthy(replicas[1]) == everyone, 30, "c1 back, state from etcd")
