@@ -66,6 +66,9 @@ class ModelConfig(BaseModel):
     """The name clients send as `model`."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer directory; the built-in deterministic tokenizer (simengine's) when unset."""
+    upstream_idle_timeout_s: float | None = Field(default=None, gt=0)
+    """This model's requests end after this long without a byte from the engine (504 before the first byte);
+    `envoy.upstream_idle_timeout_s` when unset. Set it above the model's longest prefill."""
 
 
 class MeshConfig(BaseModel):

@@ -6,6 +6,7 @@ computes the values it needs. The rendering keeps the template's comments, so `r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,48 @@ def _seconds(value: float) -> str:
     return f"{value:g}s"
 
 
-def _engine_endpoints(mesh: MeshConfig) -> list[tuple[str, int]]:
-    """(host, port) of every engine API server of the mesh file (one per local DP rank in external LB)."""
+def _engine_endpoints(mesh: MeshConfig, model: str | None = None) -> list[tuple[str, int]]:
+    """(host, port) of every engine API server of the mesh file (one per local DP rank in external LB), or of the
+    engines serving `model`."""
     return sorted(
         {
             split_host_port(join_host_port(e.host, e.port + i))
             for a in mesh.node_agents
             for e in a.engines
+            if model is None or e.model == model
             for i in range(len(registered_instance_ids(e, Placement(node_rank=0))))
         }
     )
+
+
+def _model_routes(mesh: MeshConfig) -> list[tuple[str, str, str]]:
+    """(model, idle timeout, regex matching a destination header whose first address is one of its engines) for
+    each model with its own `upstream_idle_timeout_s`."""
+    routes = []
+    for model in mesh.models:
+        if model.upstream_idle_timeout_s is None:
+            continue
+        addresses = [join_host_port(host, port) for host, port in _engine_endpoints(mesh, model.name)]
+        if addresses:
+            pattern = "^(" + "|".join(re.escape(a) for a in addresses) + ")(,|$)"
+            routes.append((model.name, _seconds(model.upstream_idle_timeout_s), pattern))
+    return routes
+
+
+def _retry_policy(engines_cluster: str) -> dict[str, object]:
+    """The engines route's retry policy (explained in the template), repeated by the per-model routes."""
+    policy: dict[str, object] = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 1}
+    if engines_cluster == "static":
+        policy["retry_host_predicate"] = [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ]
+        policy["host_selection_retry_max_attempts"] = 5
+    return policy
 
 
 def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
@@ -74,6 +107,8 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
         engines_cluster=envoy.engines_cluster,
         engine_endpoints=engines,
         upstream_idle_timeout=_seconds(envoy.upstream_idle_timeout_s),
+        model_routes=_model_routes(mesh),
+        retry_policy=_retry_policy(envoy.engines_cluster),
         grpc_agents=[(f"agent_{node_id}", address) for node_id, address in agents],
         coordinator=split_host_port(mesh.coordinator.listen),
         coordinators=[split_host_port(a) for a in mesh.coordinator.replica_listens],

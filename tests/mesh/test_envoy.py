@@ -2,12 +2,13 @@
 rules, and matches the reviewed golden rendering."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from mesh.config import load_mesh_config, parse_mesh_config
+from mesh.config import ModelConfig, load_mesh_config, parse_mesh_config
 from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config, write_envoy_config
 from mesh.up import envoy_binary
 from tandem.protogen import DESCRIPTOR
@@ -111,6 +112,27 @@ def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
         for e in coordinator["load_assignment"]["endpoints"][0]["lb_endpoints"]
     ]
     assert ports == [9100, 9110] and "grpc_health_check" in coordinator["health_checks"][0]
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_model_with_its_own_idle_timeout_gets_a_route_for_its_engines(tmp_path):
+    mesh = load_mesh_config(ROOT / "configs/default.yaml").model_copy(deep=True)
+    mesh.models = [ModelConfig(name=mesh.node_agents[0].engines[0].model, upstream_idle_timeout_s=900)]
+    hcm = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"
+    ][0]
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    first, generic = routes[0], routes[1]
+    assert first["route"]["idle_timeout"] == "900s" and generic["route"]["idle_timeout"] == "120s"
+    regex = re.compile(first["match"]["headers"][0]["string_match"]["safe_regex"]["regex"])
+    engine = mesh.node_agents[0].engines[0]
+    primary = f"{engine.host}:{engine.port}"
+    assert regex.search(primary) and regex.search(f"{primary},10.9.9.9:1") and not regex.search(f"{primary}0")
+    assert first["route"]["retry_policy"] == generic["route"]["retry_policy"]
     path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
