@@ -9,11 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from pydantic import ValidationError
 
 from coordinator import mesh_health, metrics
 from coordinator.attempts import AttemptRegistry
-from coordinator.config import MeshView
+from coordinator.config import MeshView, SchedulerConfig
 from coordinator.config_watch import watch_config
+from coordinator.etcd_state import EtcdState
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
 from coordinator.instances import InstanceTable
@@ -67,8 +69,6 @@ def build(mesh: MeshView) -> Coordinator:
     ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
     shared: SharedState = LocalState()
     if config.etcd is not None:
-        from coordinator.etcd_state import EtcdState
-
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
     registry = RegistryService(instances, config, shared)
     admin = AdminService(picker, ext_proc.counters, mesh, shared)
@@ -96,12 +96,47 @@ async def expire_silent(picker: EndpointPicker, ttl_s: float) -> None:
             publish_instance_counts(picker.instances)
 
 
+def apply_shared_scheduler(mesh: MeshView, picker: EndpointPicker, matcher, section: dict) -> bool:
+    """Switches to the scheduler section another replica published (etcd); True when it changed anything. A section
+    that does not validate is logged and ignored (the running scheduler is kept)."""
+    try:
+        new = SchedulerConfig.model_validate(section)
+        policy = new.build()
+    except (ValidationError, ValueError) as exc:
+        log.error("scheduler from etcd rejected, keeping the running one", extra={"error": str(exc)})
+        return False
+    if new.model_dump() == mesh.coordinator.scheduler.model_dump():
+        return False
+    picker.policy = policy
+    mesh.coordinator.scheduler = new
+    matcher.timeout_s = new.match_timeout_ms / 1000
+    log.info("scheduler from etcd applied", extra={"policy": new.policy})
+    return True
+
+
+async def publish_scheduler(mesh: MeshView, shared: EtcdState, interval_s: float = 0.5) -> None:
+    """Publishes this replica's scheduler section when its mesh file reload changed it (after the store's own
+    section, if any, was applied at connection: a starting replica does not override the mesh's)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if shared.connected:
+            shared.scheduler_set(mesh.coordinator.scheduler.model_dump(mode="json"))
+
+
 async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -> None:
     """Serves until SIGTERM; `reload(path)` re-reads the mesh file when it changes (scheduler hot reload)."""
     c = build(mesh)
     tasks: list[asyncio.Task] = []
 
     async def after_start() -> None:
+        if isinstance(c.shared, EtcdState):
+            shared = c.shared
+
+            def on_scheduler(section: dict) -> None:
+                apply_shared_scheduler(mesh, c.picker, c.matcher, section)
+
+            shared.on_scheduler = on_scheduler
+            tasks.append(asyncio.create_task(publish_scheduler(mesh, shared)))
         await c.shared.start(c.picker.instances)
         c.matcher.start()
         tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.instance_ttl)))

@@ -6,7 +6,9 @@ Keys under `coordinator.etcd.prefix` (default `/tandem`):
 - `instances/<id>`: the instance, its health and load as of its last heartbeat (JSON), attached to a lease of
   `instance_ttl_s` that the replica receiving the agent's heartbeats keeps alive: when no replica hears from the agent
   any more, etcd deletes the key and every replica drops the instance;
-- `drained/<id>`: present while an operator has the instance drained (no lease: it survives restarts).
+- `drained/<id>`: present while an operator has the instance drained (no lease: it survives restarts);
+- `scheduler`: the `coordinator.scheduler` section in force (JSON). A replica that reloads it from its mesh file
+  writes it here; every replica applies what is here (the latest change wins, also over a replica's own file).
 
 Each replica loads the prefix at start and then watches it from the next revision, applying every change to its own
 `InstanceTable` (`shared_state.apply_change`). Writes go through one background task (latest value per key wins),
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections.abc import Callable
 
 import aetcd
 
@@ -55,6 +59,10 @@ class EtcdState:
         self._leases: dict[str, int] = {}  # instance id -> etcd lease id
         self._pending: dict[bytes, tuple[str, object]] = {}  # key -> (op, payload), latest wins
         self._wake = asyncio.Event()
+        self.on_scheduler: Callable[[dict], None] | None = None  # applies a scheduler section seen in etcd
+        self.scheduler_seen: dict | None = (
+            None  # the last section written or seen (so an echo is not reapplied)
+        )
         self._tasks: list[asyncio.Task] = []
 
     def _key(self, kind: str, instance_id: str) -> bytes:
@@ -80,6 +88,12 @@ class EtcdState:
     def drain_set(self, instance_id: str, drained: bool) -> None:
         (self.drained.add if drained else self.drained.discard)(instance_id)
         self._queue(self._key("drained", instance_id), "drain" if drained else "delete", instance_id)
+
+    def scheduler_set(self, section: dict) -> None:
+        """This replica reloaded `coordinator.scheduler` from its file: every replica should use it."""
+        if section != self.scheduler_seen:
+            self.scheduler_seen = section
+            self._queue(self.prefix + b"/scheduler", "scheduler", json.dumps(section, sort_keys=True))
 
     def _queue(self, key: bytes, op: str, payload: object) -> None:
         self._pending[key] = (op, payload)
@@ -129,6 +143,8 @@ class EtcdState:
                     await self.client.revoke_lease(lease)
         elif op == "drain":
             await self.client.put(key, b"1")
+        elif op == "scheduler":
+            await self.client.put(key, instance_id.encode())  # the payload: the section as JSON
         else:
             put = self.owned.get(instance_id)
             if put is None:
@@ -170,7 +186,9 @@ class EtcdState:
         drained: set[str] = set()
         for kv in snapshot:
             kind, _, iid = kv.key[len(self.prefix) + 1 :].decode().partition("/")
-            if kind == "instances":
+            if kind == "scheduler":
+                self._scheduler(kv.value)
+            elif kind == "instances":
                 with contextlib.suppress(ValueError):
                     puts[iid] = decode_instance(kv.value)
             elif kind == "drained":
@@ -213,11 +231,24 @@ class EtcdState:
                 await asyncio.wait_for(watch.cancel(), 1.0)
         raise ConnectionError("etcd watch ended")
 
+    def _scheduler(self, value: bytes) -> None:
+        try:
+            section = json.loads(value)
+        except ValueError:
+            return
+        if section != self.scheduler_seen:
+            self.scheduler_seen = section
+            if self.on_scheduler is not None:
+                self.on_scheduler(section)
+
     def _on_event(self, event) -> None:
         assert self.table is not None
         kind, _, iid = event.kv.key[len(self.prefix) + 1 :].decode().partition("/")
         put = event.kind == "PUT"
-        if kind == "instances":
+        if kind == "scheduler":
+            if put:
+                self._scheduler(event.kv.value)
+        elif kind == "instances":
             if put:
                 with contextlib.suppress(ValueError):
                     apply_change(self.table, decode_instance(event.kv.value), self.drained)

@@ -105,3 +105,44 @@ async def test_last_known_state_while_etcd_is_down_then_catch_up(etcd):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_scheduler_reloaded_by_one_replica_reaches_the_others(etcd):
+    a, b = await replicas(etcd)
+    seen: list[dict] = []
+    b.on_scheduler = seen.append
+    try:
+        await eventually(lambda: a.connected and b.connected, 5.0, "connected")
+        a.scheduler_set({"policy": "round_robin"})
+        await eventually(
+            lambda: seen == [{"policy": "round_robin"}], 1.0, "section seen by the other replica"
+        )
+        a.scheduler_set({"policy": "round_robin"})  # unchanged: not written again
+        late = (await replicas(etcd, count=1))[0]  # a replica starting later takes the mesh's section
+        try:
+            await eventually(lambda: late.connected, 5.0, "late replica connected")
+            assert late.scheduler_seen == {"policy": "round_robin"}
+        finally:
+            await late.close()
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_shared_scheduler_applies_valid_sections_only():
+    from types import SimpleNamespace
+
+    from coordinator.app import apply_shared_scheduler
+    from mesh.config import parse_mesh_config
+    from tests.helpers import make_picker
+
+    mesh = parse_mesh_config({}, "mesh.yaml")
+    picker, matcher = make_picker(), SimpleNamespace(timeout_s=0.0)
+    assert apply_shared_scheduler(mesh, picker, matcher, {"policy": "round_robin", "match_timeout_ms": 40})
+    assert mesh.coordinator.scheduler.policy == "round_robin" and picker.policy.name == "round_robin"
+    assert matcher.timeout_s == 0.04
+    assert not apply_shared_scheduler(mesh, picker, matcher, {"policy": "no-such-policy"})
+    assert not apply_shared_scheduler(
+        mesh, picker, matcher, {"policy": "round_robin", "match_timeout_ms": 40}
+    )
+    assert mesh.coordinator.scheduler.policy == "round_robin"
