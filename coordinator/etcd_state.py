@@ -132,7 +132,9 @@ class EtcdState:
                 if self._pending.get(key) == (op, payload):
                     del self._pending[key]
 
-    async def _apply_write(self, key: bytes, op: str, instance_id: str) -> None:
+    async def _apply_write(self, key: bytes, op: str, arg: str) -> None:
+        """One queued write; `arg` is the instance id (put, delete, drain) or the section's JSON (scheduler)."""
+        instance_id = arg
         if op == "delete":
             await self.client.delete(key)
             lease = (
@@ -144,7 +146,7 @@ class EtcdState:
         elif op == "drain":
             await self.client.put(key, b"1")
         elif op == "scheduler":
-            await self.client.put(key, instance_id.encode())  # the payload: the section as JSON
+            await self.client.put(key, arg.encode())
         else:
             put = self.owned.get(instance_id)
             if put is None:
