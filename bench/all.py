@@ -81,6 +81,18 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "fleet-scale.md",
     ),
     (
+        "replicas",
+        "Decision throughput with 1, 2 and 4 coordinator replicas",
+        ["bench.replicas", "--seconds", "15", "--output", "{out}/replicas.md"],
+        "replicas.md",
+    ),
+    (
+        "chaos",
+        "Chaos soak: a fault every 20 s for 10 minutes on three loopback nodes",
+        ["bench.chaos", "--gap", "20", "--duration", "600", "--output", "{out}/chaos.md"],
+        "chaos.md",
+    ),
+    (
         "simengine",
         "Simulated engine: streamed tokens/s and timing model",
         ["bench.simengine_bench", "--seconds", "5", "--runs", "2"],

@@ -54,6 +54,10 @@ class ConductorConfig(BaseModel):
     """gRPC address (`Conductor`, health, reflection); loopback only."""
     metrics_listen: str = "127.0.0.1:9201"
     """Prometheus `/metrics` address; loopback only."""
+    replicas: int = Field(default=1, ge=1)
+    """Conductor processes. Every node agent feeds every replica (each indexes every engine) and the coordinator
+    matches against any healthy one through Envoy. Replica i listens on `listen` and `metrics_listen` with the port
+    + 10 * i."""
     max_entries: int = Field(default=20_000_000, gt=0)
     """Memory bound: the most (block, holder) entries kept, about 200 bytes each (20M ~ 4 GB at worst)."""
     eviction: EvictionPolicy = "oldest_first"
@@ -86,3 +90,21 @@ class ConductorConfig(BaseModel):
                 raise ValueError(f"direct_endpoints: {ep.instance_id} rank {ep.dp_rank} is listed twice")
             seen.add(key)
         return self
+
+    def replica_config(self, index: int) -> ConductorConfig:
+        """The section as replica `index` runs it (ports +10 per replica)."""
+        if not 0 <= index < self.replicas:
+            raise ValueError(f"replica {index} out of range: replicas is {self.replicas}")
+        host, port = self.listen.rsplit(":", 1)
+        mhost, mport = self.metrics_listen.rsplit(":", 1)
+        return self.model_copy(
+            update={
+                "listen": f"{host}:{int(port) + 10 * index}",
+                "metrics_listen": f"{mhost}:{int(mport) + 10 * index}",
+            }
+        )
+
+    @property
+    def replica_listens(self) -> list[str]:
+        """The gRPC address of every replica."""
+        return [self.replica_config(i).listen for i in range(self.replicas)]

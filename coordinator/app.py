@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc as ea_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from pydantic import ValidationError
 
 from coordinator import mesh_health, metrics
 from coordinator.access_log import AccessLogService
 from coordinator.attempts import AttemptRegistry
-from coordinator.config import MeshView
+from coordinator.config import MeshView, SchedulerConfig
 from coordinator.config_watch import watch_config
 from coordinator.decision import Decider
+from coordinator.etcd_state import EtcdState
 from coordinator.ext_authz import Authorization
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
@@ -26,6 +28,7 @@ from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker, TokenizerCache
 from coordinator.predicted_cache import PredictedCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
+from coordinator.shared_state import LocalState, SharedState
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
@@ -52,6 +55,7 @@ class Coordinator:
     """The parts of one coordinator process."""
 
     app: GrpcApp
+    shared: SharedState
     picker: EndpointPicker
     registry: RegistryService
     admin: AdminService
@@ -65,7 +69,7 @@ def build(mesh: MeshView) -> Coordinator:
     config = mesh.coordinator
     instances = InstanceTable(m.name for m in mesh.models)
     tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
-    matcher = ConductorMatcher(mesh.conductor.listen, config.scheduler.match_timeout_ms / 1000)
+    matcher = ConductorMatcher(mesh.conductor_match_address, config.scheduler.match_timeout_ms / 1000)
     ledger = WorkloadLedger()
     predicted = PredictedCache(config.scheduler.predicted_cache_lifetime_ms / 1000)
     picker = EndpointPicker(
@@ -83,8 +87,11 @@ def build(mesh: MeshView) -> Coordinator:
         pool = UnderstandPool(config.decision_processes, paths, config)
         app.on_stop(_closer(pool.close))
     decider = Decider(picker, handoff, trigger, tickets, pool, config.decision_inline_bytes)
-    registry = RegistryService(instances, config, picker.ledger)
-    admin = AdminService(picker, decider.counters, mesh)
+    shared: SharedState = LocalState()
+    if config.etcd is not None:
+        shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
+    registry = RegistryService(instances, config, picker.ledger, shared)
+    admin = AdminService(picker, decider.counters, mesh, shared)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
@@ -102,7 +109,8 @@ def build(mesh: MeshView) -> Coordinator:
     metrics.TICKETS.watch(tickets)
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
-    return Coordinator(app, picker, registry, admin, matcher, tickets, pool)
+    app.on_stop(shared.close)
+    return Coordinator(app, shared, picker, registry, admin, matcher, tickets, pool)
 
 
 def _closer(close):
@@ -124,14 +132,41 @@ async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interva
             log.info("tickets reconciled with idle engines", extra={"count": len(reconciled)})
 
 
-async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
-    """Marks instances without heartbeats for three intervals unhealthy."""
+async def expire_silent(picker: EndpointPicker, ttl_s: float) -> None:
+    """Marks instances without heartbeats for `ttl_s` unhealthy."""
     while True:
-        await asyncio.sleep(interval_s)
-        expired = picker.instances.expire(3 * interval_s)
+        await asyncio.sleep(min(ttl_s / 4, 1.0))
+        expired = picker.instances.expire(ttl_s)
         if expired:
             log.warning("instances silent, marked unhealthy", extra={"instances": expired})
             publish_instance_counts(picker.instances)
+
+
+def apply_shared_scheduler(mesh: MeshView, picker: EndpointPicker, matcher, section: dict) -> bool:
+    """Switches to the scheduler section another replica published (etcd); True when it changed anything. A section
+    that does not validate is logged and ignored (the running scheduler is kept)."""
+    try:
+        new = SchedulerConfig.model_validate(section)
+        policy = new.build()
+    except (ValidationError, ValueError) as exc:
+        log.error("scheduler from etcd rejected, keeping the running one", extra={"error": str(exc)})
+        return False
+    if new.model_dump() == mesh.coordinator.scheduler.model_dump():
+        return False
+    picker.policy = policy
+    mesh.coordinator.scheduler = new
+    matcher.timeout_s = new.match_timeout_ms / 1000
+    log.info("scheduler from etcd applied", extra={"policy": new.policy})
+    return True
+
+
+async def publish_scheduler(mesh: MeshView, shared: EtcdState, interval_s: float = 0.5) -> None:
+    """Publishes this replica's scheduler section when its mesh file reload changed it (after the store's own
+    section, if any, was applied at connection: a starting replica does not override the mesh's)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if shared.connected:
+            shared.scheduler_set(mesh.coordinator.scheduler.model_dump(mode="json"))
 
 
 async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -> None:
@@ -140,8 +175,17 @@ async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -
     tasks: list[asyncio.Task] = []
 
     async def after_start() -> None:
+        if isinstance(c.shared, EtcdState):
+            shared = c.shared
+
+            def on_scheduler(section: dict) -> None:
+                apply_shared_scheduler(mesh, c.picker, c.matcher, section)
+
+            shared.on_scheduler = on_scheduler
+            tasks.append(asyncio.create_task(publish_scheduler(mesh, shared)))
+        await c.shared.start(c.picker.instances)
         c.matcher.start()
-        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.heartbeat_interval_s)))
+        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.instance_ttl)))
         if c.pool is not None:
             tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))

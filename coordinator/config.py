@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from coordinator.scheduling import Policy, create_policy, policy_types
 from coordinator.scheduling.params import as_dict
-from tandem.netaddr import Address, is_wildcard, split_host_port
+from tandem.netaddr import Address, is_wildcard, join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,17 @@ class SchedulerConfig(BaseModel):
         )
 
 
+class EtcdSettings(BaseModel):
+    """`coordinator.etcd`: where replicas share the instance registry and drain flags."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: Address = "127.0.0.1:2379"
+    """An etcd v3 member's client address (`host:port`)."""
+    prefix: str = Field(default="/tandem", pattern=r"^/[A-Za-z0-9_./-]*$")
+    """Key prefix of this mesh (one etcd can hold several meshes)."""
+
+
 class CoordinatorConfig(BaseModel):
     """The coordinator process: ext_proc endpoint picker, Registry, Admin and Metaserver on one gRPC port."""
 
@@ -126,7 +137,17 @@ class CoordinatorConfig(BaseModel):
     metrics_listen: Address = "127.0.0.1:9101"
     """Prometheus `/metrics` address."""
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
-    """How often agents report; an instance silent for three intervals is marked unhealthy."""
+    """How often agents report (health changes are reported at once, not at the next interval)."""
+    instance_ttl_s: float | None = Field(default=None, gt=0)
+    """An instance whose agent has been silent this long is marked unhealthy (its lease). Engines outlive their
+    agent: the lease is what lets an agent restart (and re-register its engines) without the engines leaving the
+    routing table. Three heartbeat intervals when unset."""
+
+    @property
+    def instance_ttl(self) -> float:
+        """`instance_ttl_s`, or three heartbeat intervals."""
+        return self.instance_ttl_s or 3 * self.heartbeat_interval_s
+
     default_max_tokens: int = Field(default=16, gt=0)
     """Output tokens counted for a completions request without `max_tokens` (vLLM's default is 16)."""
     chat_default_max_tokens: int = Field(default=256, gt=0)
@@ -138,6 +159,12 @@ class CoordinatorConfig(BaseModel):
     (handoff or trigger by their dispatch capability), else aggregated."""
     replica: str = Field(default="c0", pattern=r"^[A-Za-z0-9_-]+$")
     """This coordinator process's name in metaserver callback URLs (`/v1/metaserver/<replica>`)."""
+    replicas: int = Field(default=1, ge=1)
+    """Coordinator processes (active-active behind Envoy). Replica i is `c<i>` and listens on `listen` and
+    `metrics_listen` with the port + 10 * i; more than one needs `etcd`."""
+    etcd: EtcdSettings | None = None
+    """Shared state of the replicas (instances as leases, drain flags); without it the coordinator keeps its state
+    in memory (one replica)."""
     metaserver_address: str | None = None
     """`host:port` decode engines reach the metaserver at (Envoy's gRPC listener, which transcodes the callback);
     `envoy.grpc_listen` when unset. Never a wildcard; bracket IPv6 literals."""
@@ -165,6 +192,29 @@ class CoordinatorConfig(BaseModel):
         if value is not None and is_wildcard(split_host_port(value)[0]):
             raise ValueError(f"{value!r} is a wildcard address; decode engines need one they can reach")
         return value
+
+    @model_validator(mode="after")
+    def _replicas_share_state(self) -> CoordinatorConfig:
+        if self.replicas > 1 and self.etcd is None:
+            raise ValueError(
+                "etcd: required when replicas > 1 (the replicas share their instances through it)"
+            )
+        return self
+
+    def replica_config(self, index: int) -> CoordinatorConfig:
+        """The section as replica `index` runs it: its name and its ports (+10 per replica)."""
+        if not 0 <= index < self.replicas:
+            raise ValueError(f"replica {index} out of range: replicas is {self.replicas}")
+        listen = [split_host_port(a) for a in (self.listen, self.metrics_listen)]
+        moved = [join_host_port(host, port + 10 * index) for host, port in listen]
+        return self.model_copy(
+            update={"replica": f"c{index}", "listen": moved[0], "metrics_listen": moved[1]}
+        )
+
+    @property
+    def replica_listens(self) -> list[str]:
+        """The gRPC address of every replica."""
+        return [self.replica_config(i).listen for i in range(self.replicas)]
 
     @property
     def prefill_budget_s(self) -> float:
@@ -211,6 +261,11 @@ class MeshView(Protocol):
     @property
     def metaserver_url(self) -> str:
         """The callback URL decode engines get in trigger mode."""
+        ...
+
+    @property
+    def conductor_match_address(self) -> str:
+        """Where the Match stream goes: the conductor, or Envoy's gRPC listener in front of its replicas."""
         ...
 
     def model_dump(self, *, mode: Any = ..., exclude: Any = ...) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_pro
 from coordinator.decision import RequestCounters
 from coordinator.instances import Health, InstanceTable
 from coordinator.picker import EndpointPicker
+from coordinator.shared_state import LocalState, SharedState
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
 from tandem.logs import request_id_var
@@ -46,11 +47,16 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     """Node agents register instances and report their health and load."""
 
     def __init__(
-        self, instances: InstanceTable, config: CoordinatorConfig, ledger: WorkloadLedger | None = None
+        self,
+        instances: InstanceTable,
+        config: CoordinatorConfig,
+        ledger: WorkloadLedger | None = None,
+        shared: SharedState | None = None,
     ) -> None:
         self.instances = instances
         self.config = config
         self.ledger = ledger  # follows each instance's progress counters, as heartbeats carry them
+        self.shared = shared or LocalState()  # where other replicas learn what this one hears
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
 
     async def Register(self, request: registry_pb2.RegisterRequest, context) -> registry_pb2.RegisterResponse:
@@ -63,6 +69,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             # A (re)started engine or a restarted agent: the next report of its counters is a new baseline.
             self.ledger.forget_progress(info.instance_id)
             self.ledger.set_prefill_rate(info.instance_id, self.config.scheduler.prefill_rate_tokens_per_s)
+        self.shared.registered(info)
         publish_instance_counts(self.instances)
         log.info(
             "registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address}
@@ -82,6 +89,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 known = self.instances.heartbeat(beat.instance_id, health, load)
                 if known and load.progress and self.ledger is not None:
                     self.ledger.engine_progress(beat.instance_id, load.progress)
+                if known:
+                    self.shared.reported(beat.instance_id, health, load)
                 yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=known)
         finally:
             self.open_streams -= 1
@@ -91,6 +100,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self, request: registry_pb2.DeregisterRequest, context
     ) -> registry_pb2.DeregisterResponse:
         state = self.instances.deregister(request.instance_id)
+        self.shared.deregistered(request.instance_id)
         publish_instance_counts(self.instances)
         log.info("deregistered", extra={"instance": request.instance_id, "reason": request.reason})
         return registry_pb2.DeregisterResponse(found=state is not None)
@@ -99,7 +109,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 class AdminService(admin_pb2_grpc.AdminServicer):
     """The operator's view: instances, drain, config, stats."""
 
-    def __init__(self, picker: EndpointPicker, counters: RequestCounters, mesh) -> None:
+    def __init__(
+        self, picker: EndpointPicker, counters: RequestCounters, mesh, shared: SharedState | None = None
+    ) -> None:
+        self.shared = shared or LocalState()
         self.picker = picker
         self.counters = counters
         self.mesh = mesh  # the running config; its scheduler section follows reloads
@@ -122,6 +135,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {instance_id!r} is registered")
         assert state is not None  # abort raised
         state.drained = drained
+        self.shared.drain_set(instance_id, drained)
         log.info("drained" if drained else "undrained", extra={"instance": instance_id})
         return self._status(instance_id)
 

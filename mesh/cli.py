@@ -30,11 +30,31 @@ def main(argv: list[str] | None = None) -> int:
     p_envoy.add_argument("--config", required=True)
     p_coord = sub.add_parser("coordinator", help="run the coordinator")
     p_coord.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_coord.add_argument(
+        "--replica",
+        type=int,
+        default=None,
+        help="run replica I of coordinator.replicas (name c<I>, ports +10*I)",
+    )
     p_cond = sub.add_parser("conductor", help="run the conductor (the KV index)")
     p_cond.add_argument("--config", default=None, help="mesh config file (YAML); defaults without it")
     p_cond.add_argument("--listen", help="gRPC address, overrides the config")
     p_cond.add_argument("--metrics-listen", help="metrics address, overrides the config")
-    p_agent = sub.add_parser("agent", help="run a node agent")
+    p_cond.add_argument(
+        "--replica", type=int, default=None, help="run replica I of conductor.replicas (ports +10*I)"
+    )
+    p_agent = sub.add_parser(
+        "agent",
+        help="run a node agent (`tandem agent stop [--engines]` stops one)",
+        description="Runs a node agent. `tandem agent stop` asks a running agent to exit; its engines keep serving "
+        "for the next agent to adopt unless --engines is given.",
+    )
+    p_agent.add_argument("action", nargs="?", choices=["run", "stop"], default="run")
+    p_agent.add_argument(
+        "--engines",
+        action="store_true",
+        help="with stop: deregister and stop the node's engines too (also when the agent is not running)",
+    )
     p_agent.add_argument("--config", required=True, help="mesh config file (YAML)")
     p_agent.add_argument(
         "--node", default=None, help="node_id of this agent (optional when the file has one)"
@@ -88,31 +108,60 @@ def main(argv: list[str] | None = None) -> int:
 
         return up(mesh, args.config, Path(args.run_dir).resolve(), args.engine_timeout)
     if args.command == "coordinator":
-        return _coordinator(args.config)
+        return _coordinator(args.config, args.replica)
     if args.command == "conductor":
-        return _conductor(args.config, args.listen, args.metrics_listen)
+        return _conductor(args.config, args.listen, args.metrics_listen, args.replica)
+    if args.action == "stop":
+        return _agent_stop(args.config, args.node, args.engines)
     return _agent(args.config, args.node, args.node_rank, args.master_addr)
 
 
-def _coordinator(path: str) -> int:
+def _agent_stop(path: str, node: str | None, engines: bool) -> int:
+    from mesh.config import ConfigError, load_mesh_config
+    from node_agent.shutdown import shutdown_agent
+
+    try:
+        config = load_mesh_config(path).node_agent(node)
+    except ConfigError as exc:
+        print(f"tandem agent stop: config error: {exc}", file=sys.stderr)
+        return 2
+    report = shutdown_agent(config, stop_engines=engines)
+    print(report.summary(config.node_id))
+    return 0 if not report.agent_answered or report.agent_exited else 1
+
+
+def _coordinator(path: str, replica: int | None) -> int:
     from coordinator.app import run
-    from mesh.config import load_mesh_config
+    from mesh.config import ConfigError, load_mesh_config
     from tandem.process import run_component
 
-    return run_component(
-        "coordinator", lambda: load_mesh_config(path), lambda mesh: run(mesh, load_mesh_config)
-    )
+    def load(file: str | Path) -> MeshConfig:
+        mesh = load_mesh_config(file)
+        if replica is None:
+            return mesh
+        try:
+            section = mesh.coordinator.replica_config(replica)
+        except ValueError as exc:
+            raise ConfigError(f"{file}: coordinator.replicas: {exc}") from None
+        return mesh.model_copy(update={"coordinator": section})
+
+    return run_component("coordinator", lambda: load(path), lambda mesh: run(mesh, load))
 
 
-def _conductor(path: str | None, listen: str | None, metrics_listen: str | None) -> int:
+def _conductor(path: str | None, listen: str | None, metrics_listen: str | None, replica: int | None) -> int:
     from conductor.config import ConductorConfig
     from conductor.serve import serve
-    from mesh.config import load_mesh_config, parse_mesh_config
+    from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
     from tandem.config_file import validate
     from tandem.process import run_component
 
     def load() -> ConductorConfig:
         config = (load_mesh_config(path) if path else parse_mesh_config({}, "<defaults>")).conductor
+        if replica is not None:
+            try:
+                config = config.replica_config(replica)
+            except ValueError as exc:
+                raise ConfigError(f"{path}: conductor.replicas: {exc}") from None
         overrides = {k: v for k, v in (("listen", listen), ("metrics_listen", metrics_listen)) if v}
         if not overrides:
             return config
@@ -138,8 +187,10 @@ def _agent(path: str, node: str | None, node_rank: int | None, master_addr: str 
 
     def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
         config = mesh.node_agent(node)
-        coordinator = config.coordinator_address or mesh.coordinator.listen
-        conductor = config.conductor_address or mesh.conductor.listen
+        # Replicas: the agent reports through Envoy's gRPC listener, which picks a live replica.
+        default = mesh.envoy.grpc_listen if mesh.coordinator.replicas > 1 else mesh.coordinator.listen
+        coordinator = config.coordinator_address or default
+        conductor = [config.conductor_address] if config.conductor_address else mesh.conductor.replica_listens
         return run(config, coordinator, conductor, mesh.path, placement)
 
     return run_component("node-agent", lambda: load_mesh_config(path), main)

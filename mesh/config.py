@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
+from mesh.restarts import RestartPolicy
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
 from tandem.netaddr import Address, is_wildcard, split_host_port
@@ -46,6 +47,23 @@ class EnvoyConfig(BaseModel):
     """How often Envoy flushes its access log to the coordinator (the entries that release finished requests'
     workload), at the latest: under load its 16 KiB buffer fills and flushes first (about 40 entries), so a short
     interval costs little CPU and keeps the released workload fresh at low load."""
+    upstream_idle_timeout_s: float = Field(default=120.0, gt=0)
+    """A routed request whose engine sends nothing for this long (no first byte, or a stalled stream) ends with 504
+    instead of waiting forever on a hung engine. Above the longest prefill of the largest prompt."""
+    engines_cluster: Literal["original_dst", "static"] = "original_dst"
+    """`original_dst`: Envoy connects to whatever `host:port` the coordinator names (any registered engine; a
+    retry can only go to the same address). `static`: the engines of `node_agents` are the cluster's endpoints and
+    the coordinator's choice is an override (`host:port[,fallback...]`): a request refused before any response byte
+    is retried once on the next named address (or another engine), and outlier detection ejects engines that fail."""
+
+
+class UpConfig(BaseModel):
+    """How `tandem up` runs the mesh's processes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    restart: RestartPolicy = RestartPolicy()
+    """Restart of a component that exits: backoff, reset after a stable run, FAILED after a crash loop."""
 
 
 class ModelConfig(BaseModel):
@@ -57,6 +75,9 @@ class ModelConfig(BaseModel):
     """The name clients send as `model`."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer directory; the built-in deterministic tokenizer (simengine's) when unset."""
+    upstream_idle_timeout_s: float | None = Field(default=None, gt=0)
+    """This model's requests end after this long without a byte from the engine (504 before the first byte);
+    `envoy.upstream_idle_timeout_s` when unset. Set it above the model's longest prefill."""
 
 
 class MeshConfig(BaseModel):
@@ -69,6 +90,7 @@ class MeshConfig(BaseModel):
     conductor: ConductorConfig = ConductorConfig()
     models: list[ModelConfig] = []
     node_agents: list[NodeAgentConfig] = []
+    up: UpConfig = UpConfig()
     path: str = Field(default="", exclude=True)
     """The file the config came from (set by `load_mesh_config`)."""
 
@@ -98,6 +120,12 @@ class MeshConfig(BaseModel):
         """The callback URL decode engines get in trigger mode; it names this coordinator process."""
         address = self.coordinator.metaserver_address or self.envoy.grpc_listen
         return f"http://{address}/v1/metaserver/{self.coordinator.replica}"
+
+    @property
+    def conductor_match_address(self) -> str:
+        """The coordinator's Match stream: the conductor, or with replicas Envoy's gRPC listener, which sends it to a
+        healthy replica (and to another one when that one dies)."""
+        return self.envoy.grpc_listen if self.conductor.replicas > 1 else self.conductor.listen
 
     def node_agent(self, node_id: str | None) -> NodeAgentConfig:
         """The agent section for `node_id`; the only one when `node_id` is None."""

@@ -6,6 +6,7 @@ computes the values it needs. The rendering keeps the template's comments, so `r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ import yaml
 from coordinator.access_log import METADATA_NAMESPACE
 from coordinator.openai_request import ROUTED_PATHS
 from mesh.config import MeshConfig
-from tandem.netaddr import split_host_port
+from node_agent.launch import Placement, registered_instance_ids
+from tandem.netaddr import join_host_port, split_host_port
 
 #: The template (a folder of the repository, next to the components: Envoy is a process of the mesh).
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
@@ -35,6 +37,50 @@ def _seconds(value: float) -> str:
     return f"{value:g}s"
 
 
+def _engine_endpoints(mesh: MeshConfig, model: str | None = None) -> list[tuple[str, int]]:
+    """(host, port) of every engine API server of the mesh file (one per local DP rank in external LB), or of the
+    engines serving `model`."""
+    return sorted(
+        {
+            split_host_port(join_host_port(e.host, e.port + i))
+            for a in mesh.node_agents
+            for e in a.engines
+            if model is None or e.model == model
+            for i in range(len(registered_instance_ids(e, Placement(node_rank=0))))
+        }
+    )
+
+
+def _model_routes(mesh: MeshConfig) -> list[tuple[str, str, str]]:
+    """(model, idle timeout, regex matching a destination header whose first address is one of its engines) for
+    each model with its own `upstream_idle_timeout_s`."""
+    routes = []
+    for model in mesh.models:
+        if model.upstream_idle_timeout_s is None:
+            continue
+        addresses = [join_host_port(host, port) for host, port in _engine_endpoints(mesh, model.name)]
+        if addresses:
+            pattern = "^(" + "|".join(re.escape(a) for a in addresses) + ")(,|$)"
+            routes.append((model.name, _seconds(model.upstream_idle_timeout_s), pattern))
+    return routes
+
+
+def _retry_policy(engines_cluster: str) -> dict[str, object]:
+    """The engines route's retry policy (explained in the template), repeated by the per-model routes."""
+    policy: dict[str, object] = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 1}
+    if engines_cluster == "static":
+        policy["retry_host_predicate"] = [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ]
+        policy["host_selection_retry_max_attempts"] = 5
+    return policy
+
+
 def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
     """The bootstrap YAML for `mesh`, comments included; `descriptor` is the `tandem.v1` descriptor set."""
     env = jinja2.Environment(
@@ -46,6 +92,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
     envoy = mesh.envoy
     ext_proc_s = envoy.ext_proc_timeout_ms / 1000
     agents = [(a.node_id, split_host_port(a.listen)) for a in mesh.node_agents]
+    engines = _engine_endpoints(mesh) if envoy.engines_cluster == "static" else []
     return env.get_template(TEMPLATE.name).render(
         mesh=mesh,
         listen={
@@ -63,8 +110,19 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
         routed_paths=list(ROUTED_PATHS),
         metadata_namespace=METADATA_NAMESPACE,
         agents=agents,
+        engines_cluster=envoy.engines_cluster,
+        engine_endpoints=engines,
+        upstream_idle_timeout=_seconds(envoy.upstream_idle_timeout_s),
+        model_routes=_model_routes(mesh),
+        retry_policy=_retry_policy(envoy.engines_cluster),
         grpc_agents=[(f"agent_{node_id}", address) for node_id, address in agents],
         coordinator=split_host_port(mesh.coordinator.listen),
+        coordinators=[split_host_port(a) for a in mesh.coordinator.replica_listens],
+        conductors=[split_host_port(a) for a in mesh.conductor.replica_listens],
+        # One cluster per coordinator replica, for the metaserver callbacks that must reach it.
+        replica_clusters=[
+            (f"coordinator_c{i}", split_host_port(a)) for i, a in enumerate(mesh.coordinator.replica_listens)
+        ],
         conductor=split_host_port(mesh.conductor.listen),
         destination_header=DESTINATION_HEADER,
         node_header=NODE_HEADER,

@@ -1,14 +1,17 @@
 """`tandem up`: the whole mesh on one machine (conductor, coordinator, Envoy, node agents and their engines).
 
 Each component runs as its own process with its log in the run directory. A component that exits while the mesh
-runs is started again after a backoff (the others keep serving; a restarted conductor rebuilds its index from the
-engines' replay buffers). Ctrl-C (or SIGTERM) stops them in order (agents first, so that engines deregister and
-stop, then Envoy, coordinator, conductor) and leaves no process behind.
+runs is started again after a backoff (`mesh.restarts`: doubling, reset after a stable run, reported FAILED after a
+crash loop and still retried); the mesh never stops on its own, and `run/status.json` shows each component's
+state. A restarted agent adopts the engines its predecessor left running; a restarted conductor rebuilds its index
+from the engines' replay buffers. Ctrl-C (or SIGTERM) stops them in order (agents first, asked to stop their
+engines, then Envoy, coordinator, conductor) and leaves no process behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -24,11 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh.config import MeshConfig
 from mesh.envoy import write_envoy_config
+from mesh.restarts import ComponentState, RestartTracker
 from tandem.protogen import DESCRIPTOR
 from tandem.v1 import admin_pb2, admin_pb2_grpc
-
-#: Restarts of a component that exits while the mesh runs, before `tandem up` gives up and stops everything.
-MAX_RESTARTS = 5
 
 
 class StartError(Exception):
@@ -42,8 +43,9 @@ class Component:
     name: str
     argv: list[str]
     log_path: Path
+    tracker: RestartTracker
     process: subprocess.Popen | None = None
-    restarts: int = 0
+    node_id: str | None = None  # for a node agent
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
@@ -53,6 +55,11 @@ class Component:
             self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
         )
         log.close()
+        self.tracker.started(time.monotonic())
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.returncode if self.process is not None else None
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -122,8 +129,9 @@ class Mesh:
         self.run_dir = run_dir
         self.components: list[Component] = []
 
-    def _component(self, name: str, argv: list[str]) -> Component:
-        component = Component(name, argv, self.run_dir / f"{name}.log")
+    def _component(self, name: str, argv: list[str], node_id: str | None = None) -> Component:
+        tracker = RestartTracker(self.mesh.up.restart)
+        component = Component(name, argv, self.run_dir / f"{name}.log", tracker, node_id=node_id)
         self.components.append(component)
         component.start()
         return component
@@ -134,14 +142,24 @@ class Mesh:
         if not DESCRIPTOR.exists():
             raise StartError(f"{DESCRIPTOR} is missing: run `make protos`")
         py = sys.executable
-        conductor = self._component(
-            "conductor", [py, "-m", "mesh", "conductor", "--config", self.config_path]
-        )
-        coordinator = self._component(
-            "coordinator", [py, "-m", "mesh", "coordinator", "--config", self.config_path]
-        )
-        _wait(conductor, lambda: _grpc_serving(self.mesh.conductor.listen), 30)
-        _wait(coordinator, lambda: _grpc_serving(self.mesh.coordinator.listen), 30)
+        conductors = []
+        for i in range(self.mesh.conductor.replicas):
+            argv = [py, "-m", "mesh", "conductor", "--config", self.config_path]
+            single = self.mesh.conductor.replicas == 1
+            name = "conductor" if single else f"conductor-{i}"
+            component = self._component(name, argv + ([] if single else ["--replica", str(i)]))
+            conductors.append((component, self.mesh.conductor.replica_config(i).listen))
+        section = self.mesh.coordinator
+        coordinators = []
+        for i in range(section.replicas):
+            argv = [py, "-m", "mesh", "coordinator", "--config", self.config_path]
+            name = "coordinator" if section.replicas == 1 else f"coordinator-c{i}"
+            extra = [] if section.replicas == 1 else ["--replica", str(i)]
+            coordinators.append((self._component(name, argv + extra), section.replica_config(i).listen))
+        for component, address in conductors:
+            _wait(component, lambda a=address: _grpc_serving(a), 30)
+        for component, address in coordinators:
+            _wait(component, lambda a=address: _grpc_serving(a), 30)
         envoy_yaml = write_envoy_config(self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml")
         envoy_argv = [envoy_binary(), "-c", str(envoy_yaml), "--base-id", str(self.mesh.envoy.base_id)]
         envoy_argv += ["--log-level", self.mesh.envoy.log_level, "--concurrency", "1"]
@@ -149,7 +167,7 @@ class Mesh:
         _wait(envoy, lambda: _http_ok(f"http://{self.mesh.envoy.admin_listen}/ready"), 30)
         for agent in self.mesh.node_agents:
             argv = [py, "-m", "mesh", "agent", "--config", self.config_path, "--node", agent.node_id]
-            component = self._component(f"agent-{agent.node_id}", argv)
+            component = self._component(f"agent-{agent.node_id}", argv, node_id=agent.node_id)
             _wait(component, lambda a=agent: _grpc_serving(a.listen), 30)
 
     def wait_for_engines(self, timeout: float) -> list[str]:
@@ -169,33 +187,75 @@ class Mesh:
                 time.sleep(0.2)
         return missing
 
-    def restart(self, component: Component) -> bool:
-        """Starts a component that exited again, after a backoff; False once it crashed `MAX_RESTARTS` times."""
-        component.restarts += 1
-        code = component.process.returncode if component.process else None
-        if component.restarts > MAX_RESTARTS:
-            return False
-        delay = min(8.0, 0.5 * 2 ** (component.restarts - 1))
-        print(
-            f"tandem up: {component.name} exited (code {code}); restart {component.restarts}/{MAX_RESTARTS} in "
-            f"{delay:g}s (log: {component.log_path})",
-            file=sys.stderr,
-            flush=True,
-        )
-        time.sleep(delay)
-        component.start()
-        return True
+    def supervise(self, now: float) -> None:
+        """Restarts components that exited, after their backoff; reports state changes (stderr, status.json)."""
+        changed = False
+        for component in self.components:
+            tracker = component.tracker
+            if component.alive():
+                if tracker.tick(now):
+                    changed = True
+                    _say(f"{component.name} is running again (stable for {tracker.policy.stable_after_s:g}s)")
+            elif tracker.restart_at is None:  # just exited
+                delay = tracker.exited(now)
+                changed = True
+                what = f"{component.name} exited (code {component.exit_code})"
+                if tracker.state is ComponentState.FAILED:
+                    _say(
+                        f"{what}; FAILED after {tracker.quick_exits} quick exits in a row, retrying every "
+                        f"{delay:g}s; the rest of the mesh keeps serving. Last lines of {component.log_path}:\n"
+                        f"{component.tail()}"
+                    )
+                else:
+                    _say(f"{what}; restart {tracker.restarts + 1} in {delay:g}s (log: {component.log_path})")
+            elif tracker.due(now):
+                tracker.restarts += 1
+                component.start()
+                changed = True
+        if changed:
+            self.write_status()
+
+    def status(self) -> dict[str, dict[str, object]]:
+        """Each component's state, for `run/status.json`."""
+        return {
+            c.name: {
+                "state": c.tracker.state.value,
+                "pid": c.process.pid if c.alive() and c.process else None,
+                "restarts": c.tracker.restarts,
+                "quick_exits": c.tracker.quick_exits,
+                "last_exit_code": c.exit_code,
+                "log": str(c.log_path),
+            }
+            for c in self.components
+        }
+
+    def write_status(self) -> None:
+        path = self.run_dir / "status.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.status(), indent=1))
+        os.replace(tmp, path)
 
     def all_alive(self) -> bool:
         return all(c.alive() for c in self.components)
 
-    def dead(self) -> list[Component]:
-        return [c for c in self.components if not c.alive()]
-
     def stop(self) -> None:
-        """Stops agents (and so engines) first, then Envoy, coordinator, conductor."""
+        """Stops agents first, each asked to deregister and stop its engines (engines otherwise outlive their
+        agent), then whatever their state directories still record; then Envoy, coordinator, conductor."""
+        from node_agent.shutdown import shutdown_agent
+
         for component in reversed(self.components):
-            component.stop(grace=20 if component.name.startswith("agent-") else 10)
+            if component.node_id is not None:
+                config = self.mesh.node_agent(component.node_id)
+                if component.alive():
+                    shutdown_agent(config, stop_engines=True, timeout_s=20)
+                component.stop(grace=20)
+                shutdown_agent(config, stop_engines=True, timeout_s=0)  # engines of an agent that was down
+            else:
+                component.stop(grace=10)
+
+
+def _say(message: str) -> None:
+    print(f"tandem up: {message}", file=sys.stderr, flush=True)
 
 
 def print_urls(mesh: MeshConfig, run_dir: Path) -> None:
@@ -241,15 +301,9 @@ def up(mesh: MeshConfig, config_path: str, run_dir: Path, engine_timeout: float 
         if missing:
             print(f"tandem up: engines not healthy yet: {', '.join(missing)} (see {run_dir})", flush=True)
         print_urls(mesh, run_dir)
+        cluster.write_status()
         while not stopping:
-            for component in cluster.dead():
-                if not cluster.restart(component):
-                    print(
-                        f"tandem up: {component.name} keeps exiting; last lines of {component.log_path}:",
-                        file=sys.stderr,
-                    )
-                    print(component.tail(), file=sys.stderr)
-                    return 1
+            cluster.supervise(time.monotonic())
             time.sleep(0.2)
         return 0
     except StartError as exc:

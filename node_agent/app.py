@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 
 from prometheus_client import REGISTRY
 
@@ -20,7 +22,6 @@ from node_agent.supervisor import EngineState, EngineSupervisor
 from node_agent.systemd import SystemdNotify
 from tandem.config_file import ConfigError
 from tandem.grpc_server import GrpcApp
-from tandem.netaddr import split_host_port
 from tandem.v1 import node_agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,16 +34,19 @@ class NodeAgent:
         self,
         config: NodeAgentConfig,
         coordinator_address: str,
-        conductor_address: str,
+        conductor_address: str | list[str],
         placement: Placement | None = None,
     ) -> None:
         self.config = config
-        # The agent's port in the default keeps two meshes on one machine (same node id) from sharing sockets.
-        port = split_host_port(config.listen)[1]
-        self.runtime_dir = config.runtime_dir or f"/tmp/tandem-{config.node_id}-{port}"
+        self.runtime_dir = config.runtime_path
+        # False (the default): on exit the agent leaves its engines running for the next agent to adopt.
+        self.stop_engines_on_exit = False
         self.supervisors: dict[str, EngineSupervisor] = {}
         self.link = CoordinatorLink(coordinator_address, config.node_id, self._engine_supervisors)
-        self.relay = KvEventRelay(conductor_address, config.node_id)
+        # One relay per conductor replica: every replica indexes every engine, so any of them can answer a Match.
+        addresses = [conductor_address] if isinstance(conductor_address, str) else list(conductor_address)
+        self.relays = [KvEventRelay(address, config.node_id) for address in addresses]
+        self.relay = self.relays[0]
         self.services = build_services(config, self.runtime_dir, placement or Placement(), self._changed)
         for service in self.services:
             for sup in service.supervisors:
@@ -62,13 +66,15 @@ class NodeAgent:
         if sup.state is EngineState.RUNNING and sup.spec.kv_events and name not in self._relayed:
             self._relayed.add(name)
             for source in sup.spec.kv_events:
-                self.relay.add_source(
-                    sup.spec.events_instance or name, sup.engine.model, sup.engine.block_size, source.dp_rank, source.endpoint,
-                    source.replay_endpoint,
-                )  # fmt: skip
+                for relay in self.relays:
+                    relay.add_source(
+                        sup.spec.events_instance or name, sup.engine.model, sup.engine.block_size, source.dp_rank,
+                        source.endpoint, source.replay_endpoint,
+                    )  # fmt: skip
         elif sup.state is not EngineState.RUNNING and name in self._relayed:
             self._relayed.discard(name)
-            self.relay.remove_source(sup.spec.events_instance or name)
+            for relay in self.relays:
+                relay.remove_source(sup.spec.events_instance or name)
         await self.link.changed(sup)
 
     def prepare(self) -> None:
@@ -79,32 +85,41 @@ class NodeAgent:
     async def start(self) -> None:
         """Launches the services in order (store first) and the links."""
         self._tasks.append(asyncio.create_task(self.link.run()))
-        self._tasks.append(asyncio.create_task(self.relay.run()))
+        self._tasks.extend(asyncio.create_task(relay.run()) for relay in self.relays)
         for service in self.services:
             log.info(
                 "launching service", extra={"service": service.name, "processes": len(service.supervisors)}
             )
             await service.launch()
 
-    async def stop(self) -> None:
-        """Deregisters and stops every engine, then the store, then the links."""
-        for iid in list(self.link.registered):
-            await self.link.deregister(iid, "agent shutdown")
-        for service in reversed(self.services):
-            await service.stop()
+    async def stop(self, stop_engines: bool | None = None) -> None:
+        """With `stop_engines` (default: `stop_engines_on_exit`), deregisters and stops every engine, then the store; otherwise leaves them
+        running and registered (the coordinator keeps them while their lease lasts; the next agent adopts them and
+        re-registers them). Then closes the links."""
+        if self.stop_engines_on_exit if stop_engines is None else stop_engines:
+            for iid in list(self.link.registered):
+                await self.link.deregister(iid, "agent shutdown")
+            for service in reversed(self.services):
+                await service.stop()
+        else:
+            left = [name for name, sup in self.supervisors.items() if sup.running]
+            for service in self.services:
+                await service.detach()
+            log.info("agent exits, engines left running for the next agent", extra={"engines": left})
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self.relay.close()
+        for relay in self.relays:
+            await relay.close()
         await self.link.close()
 
 
 async def run(
     config: NodeAgentConfig,
     coordinator_address: str,
-    conductor_address: str,
+    conductor_address: str | list[str],
     source: str,
     placement: Placement | None = None,
 ) -> None:
@@ -118,10 +133,16 @@ async def run(
     notify = SystemdNotify()
     REGISTRY.register(AgentCollector(agent))
     app = GrpcApp(f"node-agent {config.node_id}", config.listen, config.metrics_listen, grace=2.0)
+
+    def shutdown(stop_engines: bool) -> None:
+        agent.stop_engines_on_exit = stop_engines
+        # After the reply is on its way: the same clean path as SIGTERM.
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGTERM)
+
     app.add_service(
         "tandem.v1.NodeAgent",
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server,
-        NodeAgentService(config.node_id, agent.supervisors),
+        NodeAgentService(config.node_id, agent.supervisors, shutdown),
     )
     watchdog: list[asyncio.Task] = []
 

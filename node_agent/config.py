@@ -297,8 +297,14 @@ class NodeAgentConfig(BaseModel):
     """Conductor gRPC address; the mesh file's `conductor.listen` when unset."""
     runtime_dir: str | None = None
     """Where engine logs and IPC sockets go; `/tmp/tandem-<node_id>-<listen port>` when unset."""
-    probe_interval_s: float = Field(default=2.0, gt=0)
-    """How often each engine's `/health` is probed."""
+    state_dir: str | None = None
+    """Where the agent records the processes it launched (pid, start time, launch), so that a restarted agent adopts
+    them instead of restarting them; `<runtime_dir>/state` when unset."""
+    probe_interval_s: float = Field(default=0.5, gt=0)
+    """How often each engine's `/health` and `/metrics` are read."""
+    probe_timeout_s: float = Field(default=1.0, gt=0)
+    """A `/health` (or `/metrics`) read that takes longer fails: a hung engine is reported unhealthy within
+    `probe_interval_s + probe_timeout_s`."""
     load_interval_s: float = Field(default=0.25, gt=0)
     """How often each healthy engine's `/metrics` is read and its load and progress counters relayed to the
     coordinator (the coordinator takes finished prefills off its workload ledger from them: a few Hz)."""
@@ -323,6 +329,17 @@ class NodeAgentConfig(BaseModel):
                 f"unknown service {unknown[0] if unknown else value!r}; known: {', '.join(SERVICES)}"
             )
         return ",".join(dict.fromkeys(names))
+
+    @property
+    def runtime_path(self) -> str:
+        """`runtime_dir`, or its default: the agent's port in it keeps two meshes on one machine (same node id) from
+        sharing sockets."""
+        return self.runtime_dir or f"/tmp/tandem-{self.node_id}-{self.listen.rsplit(':', 1)[1]}"
+
+    @property
+    def state_path(self) -> str:
+        """`state_dir`, or `<runtime_dir>/state`."""
+        return self.state_dir or f"{self.runtime_path}/state"
 
     @property
     def service_names(self) -> list[str]:

@@ -2,7 +2,9 @@
 
 A reconcile loop makes the coordinator's view follow the supervisors: every interval it registers RUNNING
 engines the coordinator does not know (first start, restart, coordinator restart) and sends one heartbeat per
-registered engine on a long-lived stream. A coordinator that is down is retried every interval.
+registered engine on a long-lived stream; a health change is reported at once. A coordinator that is down is
+retried every `RECONNECT_S` (with gRPC's own reconnect backoff capped as low), so the agent re-registers its engines
+within a second of the coordinator coming back.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from tandem.netaddr import join_host_port
 from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+#: Retry interval of a lost coordinator.
+RECONNECT_S = 0.25
+#: gRPC's reconnect backoff (default: 1 s growing to 120 s) capped so that a coordinator back up is seen at once.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
 
 _ROLES = {
     "hybrid": common_pb2.ROLE_HYBRID,
@@ -91,7 +102,7 @@ class CoordinatorLink:
         self.supervisors = supervisors
         self.interval_s = 2.0
         self.registered: set[str] = set()
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._wake = asyncio.Event()
         self._outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] | None = None  # of the open stream
@@ -112,6 +123,8 @@ class CoordinatorLink:
             await self._register(sup)
         elif sup.state is not EngineState.RUNNING and iid in self.registered:
             await self.deregister(iid, sup.detail or sup.state.name.lower())
+        elif iid in self.registered:
+            self._wake.set()  # a health change: heartbeat now, not at the next interval
 
     async def _register(self, sup: EngineSupervisor) -> None:
         try:
@@ -147,7 +160,7 @@ class CoordinatorLink:
                 log.warning("heartbeat stream lost", extra={"error": exc.code().name})
             # The coordinator may have restarted without our instances: register everything again.
             self.registered.clear()
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(RECONNECT_S)
 
     async def _stream(self) -> None:
         outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] = asyncio.Queue(maxsize=1024)

@@ -37,6 +37,13 @@ from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+#: gRPC's reconnect backoff (default: 1 s growing to 120 s) capped: a conductor back up is seen within a second.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
 
 @dataclass(eq=False)
 class _Source:
@@ -66,7 +73,7 @@ class KvEventRelay:
         queue_size: int = 10_000,
         replay_timeout_s: float = 5.0,
         backoff_initial_s: float = 0.2,
-        backoff_max_s: float = 5.0,
+        backoff_max_s: float = 1.0,
     ) -> None:
         self.conductor_address = conductor_address
         self.node_id = node_id
@@ -177,7 +184,7 @@ class KvEventRelay:
     # -- the stream -----------------------------------------------------------------------------------------------
 
     async def _stream_once(self) -> None:
-        async with grpc.aio.insecure_channel(self.conductor_address) as channel:
+        async with grpc.aio.insecure_channel(self.conductor_address, options=CHANNEL_OPTIONS) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             call = stub.Ingest(self._requests())
             closed = asyncio.ensure_future(self._closed.wait())

@@ -25,13 +25,13 @@ class AgentCollector:
             state.add_metric([name, sup.state.name.lower()], 1)
             up.add_metric([name], 1 if sup.healthy else 0)
             restarts.add_metric([name], sup.restarts)
-        relay = self.agent.relay
+        relays = self.agent.relays
         yield state
         yield up
         yield restarts
         yield CounterMetricFamily("tandem_node_agent_kv_batches_relayed", "KV event batches sent to the conductor",
-                                  value=relay.batches_sent)  # fmt: skip
+                                  value=sum(r.batches_sent for r in relays))  # fmt: skip
         yield CounterMetricFamily("tandem_node_agent_kv_batches_dropped", "KV event batches dropped on a full queue",
-                                  value=relay.dropped)  # fmt: skip
+                                  value=sum(r.dropped for r in relays))  # fmt: skip
         yield CounterMetricFamily("tandem_node_agent_kv_decode_errors", "Engine KV event messages that did not decode",
-                                  value=relay.decode_errors)  # fmt: skip
+                                  value=sum(r.decode_errors for r in relays))  # fmt: skip

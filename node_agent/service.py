@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -21,7 +23,7 @@ _STATES = {
 
 def engine_status(sup: EngineSupervisor, node_id: str) -> node_agent_pb2.EngineStatus:
     """What the agent reports about one process."""
-    running = sup.process is not None and sup.process.returncode is None
+    running = sup.running
     status = node_agent_pb2.EngineStatus(
         instance=instance_message(sup, node_id),
         state=_STATES[sup.state],
@@ -29,6 +31,7 @@ def engine_status(sup: EngineSupervisor, node_id: str) -> node_agent_pb2.EngineS
         restarts=sup.restarts,
         argv=sup.spec.argv,
         detail=sup.detail,
+        adopted=sup.adopted,
     )
     if sup.last_exit_code is not None:
         status.last_exit_code = sup.last_exit_code
@@ -42,9 +45,15 @@ def engine_status(sup: EngineSupervisor, node_id: str) -> node_agent_pb2.EngineS
 class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
     """Operator access to this node's engines (and KV store)."""
 
-    def __init__(self, node_id: str, supervisors: dict[str, EngineSupervisor]) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        supervisors: dict[str, EngineSupervisor],
+        shutdown: Callable[[bool], None] | None = None,
+    ) -> None:
         self.node_id = node_id
         self.supervisors = supervisors
+        self.shutdown = shutdown  # starts the agent's shutdown (stop_engines) after the reply is sent
 
     async def _find(self, instance_id: str, context) -> EngineSupervisor:
         sup = self.supervisors.get(instance_id)
@@ -90,3 +99,14 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             timeout = max(0.0, min(timeout, remaining - sup.stop_grace_s - 1.0))
         await sup.drain(timeout)
         return node_agent_pb2.DrainResponse(engine=engine_status(sup, self.node_id))
+
+    async def Shutdown(self, request, context) -> node_agent_pb2.ShutdownResponse:
+        shutdown = self.shutdown
+        if shutdown is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this agent cannot be shut down remotely")
+            return node_agent_pb2.ShutdownResponse()
+        running = [name for name, sup in self.supervisors.items() if sup.running]
+        shutdown(request.stop_engines)
+        if request.stop_engines:
+            return node_agent_pb2.ShutdownResponse(stopping=running)
+        return node_agent_pb2.ShutdownResponse(left_running=running)

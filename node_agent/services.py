@@ -44,6 +44,9 @@ class LocalService(Protocol):
     async def stop(self) -> None:
         """Stops its processes."""
 
+    async def detach(self) -> None:
+        """Ends supervision, leaving its processes running (recorded for the next agent to adopt)."""
+
 
 def _executable_exists(argv0: str) -> bool:
     return os.path.isfile(argv0) if os.sep in argv0 else shutil.which(argv0) is not None
@@ -60,10 +63,14 @@ class _Supervised:
 
     async def launch(self) -> None:
         for sup in self.supervisors:
-            sup.start()
+            sup.start(adopt=True)
 
     async def stop(self) -> None:
         await asyncio.gather(*(sup.stop() for sup in self.supervisors))
+
+    async def detach(self) -> None:
+        """Leaves the processes running for the next agent to adopt."""
+        await asyncio.gather(*(sup.detach() for sup in self.supervisors))
 
 
 class EngineService(_Supervised):
@@ -93,6 +100,8 @@ class EngineService(_Supervised):
                         config.stop_grace_s,
                         on_change,
                         load_interval_s=config.load_interval_s,
+                        state_dir=config.state_path,
+                        probe_timeout_s=config.probe_timeout_s,
                     )
                 )
 
@@ -129,6 +138,8 @@ class KvStoreService(_Supervised):
                 on_change,
                 health_timeout_s=store.health_timeout_s,
                 tcp_health=store.health_address,
+                state_dir=config.state_path,
+                probe_timeout_s=config.probe_timeout_s,
             )
         )
 

@@ -4,8 +4,13 @@ restart with backoff, drain, stop.
 State machine: STARTING -> RUNNING -> (exit) BACKOFF -> STARTING ... -> FAILED after a crash loop;
 RUNNING -> DRAINING -> STOPPED on `drain()`; STOPPED on request. Every transition is reported through `on_change`.
 
-Health: HTTP `/health` for a process with a port; a TCP connect for a store with a health address; the process
-being alive for a headless rank.
+Health: HTTP `/health` for a process with a port (answered within `probe_timeout_s`, so a hung engine is
+unhealthy after at most one probe interval plus that timeout); a TCP connect for a store with a health address; the
+process being alive for a headless rank.
+
+Processes outlive the agent (`node_agent.processes`): every launch is recorded in the state directory, and a
+supervisor started by a new agent adopts the recorded process instead of launching another when it still runs with
+the same launch. `stop()` stops the process; `detach()` (agent restart) leaves it running.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ import contextlib
 import enum
 import logging
 import os
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,6 +28,16 @@ import aiohttp
 
 from node_agent.config import EngineConfig, RestartPolicy
 from node_agent.launch import LaunchSpec
+from node_agent.processes import (
+    EngineProcess,
+    ProcessRecord,
+    adopt,
+    env_digest,
+    read_record,
+    remove_record,
+    start_ticks,
+    write_record,
+)
 from tandem.engine_load import EngineLoad, parse_load
 from tandem.netaddr import join_host_port, split_host_port
 
@@ -70,6 +84,8 @@ class EngineSupervisor:
         health_timeout_s: float | None = None,
         tcp_health: str | None = None,
         load_interval_s: float | None = None,
+        state_dir: str | None = None,
+        probe_timeout_s: float = 1.0,
     ) -> None:
         self.engine = engine  # None for a service that is not an engine (the KV store)
         self.spec = spec
@@ -81,6 +97,10 @@ class EngineSupervisor:
         self.probe_interval_s = probe_interval_s
         self.load_interval_s = load_interval_s or probe_interval_s  # how often `/metrics` is scraped
         self.on_load: Callable[[EngineSupervisor], None] | None = None  # called after each successful scrape
+        self.probe_timeout_s = probe_timeout_s
+        self.state_dir = (
+            state_dir  # where launches are recorded for a later agent to adopt; None: not recorded
+        )
         self.stop_grace_s = stop_grace_s
         self.on_change = on_change
         self.state = EngineState.STOPPED
@@ -92,9 +112,10 @@ class EngineSupervisor:
         self.last_exit_code: int | None = None
         self.started_at = 0.0  # monotonic, for the crash-loop rule
         self.started_wall = 0.0  # wall clock, for status
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: EngineProcess | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._replaced: EngineProcess | None = None  # a recorded process to stop before launching
 
     @property
     def base_url(self) -> str:
@@ -113,12 +134,48 @@ class EngineSupervisor:
         """Requests running or waiting in the engine, from the last `/metrics` scrape."""
         return self.load.running + self.load.waiting
 
-    def start(self) -> None:
-        """Starts supervising (launches the engine); a no-op while already supervised."""
+    @property
+    def running(self) -> bool:
+        """True while the supervised process runs."""
+        return self.process is not None and self.process.running
+
+    @property
+    def adopted(self) -> bool:
+        """True when the running process was launched by an earlier agent and adopted by this one."""
+        return self.running and self.process is not None and self.process.adopted
+
+    def start(self, adopt: bool = False) -> None:
+        """Starts supervising: adopts the recorded process when `adopt` and it still runs with this launch, else
+        launches the engine; a no-op while already supervised."""
         if self._task is None or self._task.done():
             self._stopping = False
             self.consecutive_failures = 0
-            self._task = asyncio.create_task(self._supervise(), name=f"engine-{self.name}")
+            adopted = self._adopt() if adopt else None
+            self._task = asyncio.create_task(self._supervise(adopted), name=f"engine-{self.name}")
+
+    def _adopt(self) -> EngineProcess | None:
+        """The process an earlier agent launched for this supervisor, when it still runs with the same launch. A
+        recorded process with another launch (the config changed) is stopped: it holds the port."""
+        if self.state_dir is None:
+            return None
+        record = read_record(self.state_dir, self.name)
+        if record is None:
+            return None
+        process = adopt(record)
+        if process is None:
+            remove_record(self.state_dir, self.name)
+            return None
+        if not record.same_launch(self.spec.argv, self.spec.env):
+            log.warning(
+                "recorded process has another launch, replacing it",
+                extra={"pid": record.pid, **self._log_fields()},
+            )
+            self._replaced = process
+            return None
+        self.restarts = record.restarts
+        self.started_wall = record.launched_at
+        log.info("adopted running process", extra={**self._log_fields(), "pid": record.pid})
+        return process
 
     async def stop(self, detail: str = "stopped on request") -> None:
         """Stops the engine (SIGTERM, SIGKILL after the grace period) and supervision."""
@@ -128,7 +185,19 @@ class EngineSupervisor:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.state_dir is not None:
+            remove_record(self.state_dir, self.name)
         await self._set(EngineState.STOPPED, detail)
+
+    async def detach(self) -> None:
+        """Ends supervision and leaves the process running, recorded for the next agent to adopt."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.process is not None:
+            self.process.detach()
 
     async def drain(self, timeout_s: float, settle_s: float = 0.5) -> DrainResult:
         """Takes no new requests (DRAINING: `on_change` deregisters it), waits until the engine's
@@ -146,7 +215,7 @@ class EngineSupervisor:
         in_flight = self.in_flight
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             while time.monotonic() - started < timeout_s:
-                if self.process is None or self.process.returncode is not None:
+                if not self.running:
                     in_flight = 0
                     break
                 await self._scrape(http)
@@ -178,12 +247,19 @@ class EngineSupervisor:
         if changed:
             await self.on_change(self)
 
-    async def _supervise(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+    async def _supervise(self, adopted: EngineProcess | None) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            replaced, self._replaced = self._replaced, None
+            if replaced is not None:
+                await replaced.stop(self.stop_grace_s)
             while not self._stopping:
-                code = await self._run_once(http)
+                code = await self._run_once(http, adopted)
+                adopted = None
                 if self._stopping:
                     return
+                if self.state_dir is not None:
+                    remove_record(self.state_dir, self.name)
                 self.last_exit_code = code
                 ran_for = time.monotonic() - self.started_at
                 self.consecutive_failures = (
@@ -198,26 +274,46 @@ class EngineSupervisor:
                     log.error("engine crash loop, giving up", extra=self._log_fields())
                     return
                 delay = backoff_delay(self.policy, self.consecutive_failures)
-                await self._set(EngineState.BACKOFF, f"exited with code {code}, restart in {delay:g}s")
+                how = (
+                    f"exited with code {code}" if code is not None else "exited (adopted: exit code unknown)"
+                )
+                await self._set(EngineState.BACKOFF, f"{how}, restart in {delay:g}s")
                 log.warning("engine exited, restarting", extra={**self._log_fields(), "delay_s": delay})
                 await asyncio.sleep(delay)
                 self.restarts += 1
 
-    async def _run_once(self, http: aiohttp.ClientSession) -> int:
-        """Launches, waits for health, then watches until the process exits; returns its exit code."""
-        await self._set(EngineState.STARTING, "waiting for /health")
+    def _launch(self) -> EngineProcess:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.process = await asyncio.create_subprocess_exec(
-                *_with_parent_death_signal(self.spec.argv),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                env={**os.environ, **self.spec.env},
-            )
-        self.started_at = time.monotonic()
+        process = EngineProcess.launch(self.spec.argv, self.spec.env, self.log_path)
         self.started_wall = time.time()
-        log.info("engine launched", extra={**self._log_fields(), "pid": self.process.pid})
+        ticks = start_ticks(process.pid)
+        if self.state_dir is not None and ticks is not None:
+            endpoints = [e for s in self.spec.kv_events for e in (s.endpoint, s.replay_endpoint) if e]
+            write_record(
+                self.state_dir,
+                ProcessRecord(
+                    name=self.name,
+                    pid=process.pid,
+                    start_ticks=ticks,
+                    argv=list(self.spec.argv),
+                    env_digest=env_digest(self.spec.env),
+                    launched_at=self.started_wall,
+                    port=self.spec.port,
+                    kv_events=endpoints,
+                    restarts=self.restarts,
+                ),
+            )
+        log.info("engine launched", extra={**self._log_fields(), "pid": process.pid})
+        return process
+
+    async def _run_once(
+        self, http: aiohttp.ClientSession, adopted: EngineProcess | None = None
+    ) -> int | None:
+        """Launches (or takes over `adopted`), waits for health, then watches until the process exits; returns its
+        exit code (None for an adopted process)."""
+        await self._set(EngineState.STARTING, "waiting for /health" + (" (adopted)" if adopted else ""))
+        self.process = adopted or self._launch()
+        self.started_at = time.monotonic()
         exited = asyncio.create_task(self.process.wait())
         try:
             deadline = time.monotonic() + self.health_timeout_s
@@ -252,12 +348,14 @@ class EngineSupervisor:
             self.healthy = False
             if not exited.done():
                 exited.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await exited  # its pidfd reader is removed before anything closes the pidfd
 
     async def _probe(self, http: aiohttp.ClientSession) -> bool:
         if self.tcp_health is not None:
             return await _tcp_open(self.tcp_health)
         if not self.base_url:  # headless rank: alive is healthy
-            return self.process is not None and self.process.returncode is None
+            return self.running
         try:
             async with http.get(f"{self.base_url}/health") as resp:
                 return resp.status == 200
@@ -276,17 +374,8 @@ class EngineSupervisor:
         return False
 
     async def _terminate(self) -> None:
-        proc = self.process
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), self.stop_grace_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+        if self.process is not None:
+            await self.process.stop(self.stop_grace_s)
 
     def _log_fields(self) -> dict[str, object]:
         return {"instance": self.name, "restarts": self.restarts, "exit_code": self.last_exit_code}
@@ -302,10 +391,3 @@ async def _tcp_open(address: str) -> bool:
     with contextlib.suppress(OSError):
         await writer.wait_closed()
     return True
-
-
-def _with_parent_death_signal(argv: list[str]) -> list[str]:
-    """The command wrapped so that the process gets SIGTERM if the agent dies (it execs in place: same pid)."""
-    if not sys.platform.startswith("linux"):
-        return list(argv)
-    return [sys.executable, "-m", "node_agent.pdeathsig", str(os.getpid()), "--", *argv]

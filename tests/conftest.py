@@ -3,6 +3,7 @@
 import pytest
 
 from conductor.config import ConductorConfig
+from tests.etcd_server import etcd  # noqa: F401 - a real etcd member (replicated-state tests)
 from tests.helpers import ConductorServer
 
 

@@ -156,3 +156,18 @@ async def test_watch_task_polls_the_file(watched):
         assert running.coordinator.scheduler.policy == "kv_affinity"
     finally:
         task.cancel()
+
+
+def test_replicas_need_etcd_and_get_their_own_name_and_ports():
+    with pytest.raises(ConfigError, match=r"coordinator.*etcd: required when replicas > 1"):
+        parse_mesh_config({"coordinator": {"replicas": 2}}, "mesh.yaml")
+    section = parse_mesh_config(
+        {"coordinator": {"replicas": 3, "etcd": {"endpoint": "10.0.0.5:2379"}}}, "mesh.yaml"
+    ).coordinator
+    second = section.replica_config(2)
+    assert (second.replica, second.listen, second.metrics_listen) == (
+        "c2",
+        "127.0.0.1:9120",
+        "127.0.0.1:9121",
+    )
+    assert section.replica_listens == ["127.0.0.1:9100", "127.0.0.1:9110", "127.0.0.1:9120"]

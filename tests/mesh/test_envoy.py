@@ -2,12 +2,13 @@
 rules, and matches the reviewed golden rendering."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from mesh.config import load_mesh_config, parse_mesh_config
+from mesh.config import ModelConfig, load_mesh_config, parse_mesh_config
 from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config, write_envoy_config
 from mesh.up import envoy_binary
 from tandem.protogen import DESCRIPTOR
@@ -85,6 +86,75 @@ def test_ipv6_listeners(tmp_path):
     mesh = parse_mesh_config({"envoy": {"http_listen": "[::1]:8000", "grpc_listen": "[::1]:9000"}})
     listeners = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"]
     assert listeners[0]["address"]["socket_address"] == {"address": "::1", "port_value": 8000}
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_engines_route_has_an_idle_timeout_and_retries_once_before_any_byte():
+    mesh = parse_mesh_config({"envoy": {"upstream_idle_timeout_s": 7}})
+    config = build_envoy_config(mesh, DESCRIPTOR)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["idle_timeout"] == "7s" and route["timeout"] == "0s"
+    assert route["retry_policy"] == {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 1}
+
+
+def test_static_engines_cluster_lists_the_engines_and_validates(tmp_path):
+    mesh = load_mesh_config(ROOT / "configs/default.yaml").model_copy(deep=True)
+    mesh.envoy.engines_cluster = "static"
+    config = build_envoy_config(mesh, DESCRIPTOR)
+    engines = config["static_resources"]["clusters"][0]
+    endpoints = [
+        e["endpoint"]["address"]["socket_address"]
+        for e in engines["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    wanted = sorted((e.host, e.port) for a in mesh.node_agents for e in a.engines)
+    assert sorted((e["address"], e["port_value"]) for e in endpoints) == wanted
+    policy = engines["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+    assert policy["override_host_sources"] == [{"header": DESTINATION_HEADER}]
+    assert engines["outlier_detection"]["split_external_local_origin_errors"] is True
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
+    mesh = parse_mesh_config(
+        {"coordinator": {"listen": "127.0.0.1:9100", "replicas": 2, "etcd": {"endpoint": "127.0.0.1:2379"}}}
+    )
+    clusters = {c["name"]: c for c in build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["clusters"]}
+    coordinator = clusters["coordinator"]
+    ports = [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in coordinator["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert ports == [9100, 9110] and "grpc_health_check" in coordinator["health_checks"][0]
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_model_with_its_own_idle_timeout_gets_a_route_for_its_engines(tmp_path):
+    mesh = load_mesh_config(ROOT / "configs/default.yaml").model_copy(deep=True)
+    mesh.models = [ModelConfig(name=mesh.node_agents[0].engines[0].model, upstream_idle_timeout_s=900)]
+    hcm = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"
+    ][0]
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    first, generic = routes[0], routes[1]
+    assert first["route"]["idle_timeout"] == "900s" and generic["route"]["idle_timeout"] == "120s"
+    regex = re.compile(first["match"]["headers"][0]["string_match"]["safe_regex"]["regex"])
+    engine = mesh.node_agents[0].engines[0]
+    primary = f"{engine.host}:{engine.port}"
+    assert regex.search(primary) and regex.search(f"{primary},10.9.9.9:1") and not regex.search(f"{primary}0")
+    assert first["route"]["retry_policy"] == generic["route"]["retry_policy"]
     path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True

@@ -6,9 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import httpx
@@ -17,10 +15,11 @@ import pytest
 from node_agent.app import NodeAgent
 from node_agent.config import NodeAgentConfig, RestartPolicy
 from node_agent.launch import LaunchSpec
+from node_agent.processes import start_ticks
 from node_agent.service import NodeAgentService
 from node_agent.supervisor import EngineState, EngineSupervisor, backoff_delay
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2, registry_pb2_grpc
-from tests.helpers import eventually, free_ports, wait_until
+from tests.helpers import eventually, free_ports
 
 
 class FakeRegistry(registry_pb2_grpc.RegistryServicer):
@@ -135,7 +134,7 @@ async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_pa
         assert registry.events[:3] == [("register", "sim-0"), ("deregister", "sim-0"), ("register", "sim-0")]
         assert registry.events[-1] == ("deregister", "sim-0")
     finally:
-        await agent.stop()
+        await agent.stop(stop_engines=True)
 
 
 async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, registry):
@@ -180,7 +179,7 @@ async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, regist
         assert sup.process.returncode is not None and sup.state is EngineState.STOPPED
     finally:
         await server.stop(0)
-        await agent.stop()
+        await agent.stop(stop_engines=True)
 
 
 async def test_drain_timeout_stops_anyway(tmp_path, registry):
@@ -200,7 +199,7 @@ async def test_drain_timeout_stops_anyway(tmp_path, registry):
         assert not result.drained and result.in_flight == 1
         assert "drain timed out" in sup.detail and sup.state is EngineState.STOPPED
     finally:
-        await agent.stop()
+        await agent.stop(stop_engines=True)
 
 
 async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
@@ -234,7 +233,7 @@ async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
         # reconcile loop, which only ever looks at the agent's registrable processes: there are none.
         assert agent.link.supervisors() == [] and registry.events == []
     finally:
-        await agent.stop()
+        await agent.stop(stop_engines=True)
     assert agent.supervisors["store-kv_store"].state is EngineState.STOPPED
 
 
@@ -261,37 +260,60 @@ async def test_combined_store_env_reaches_engines_and_missing_binaries_fail_prep
         agent.prepare()
 
 
-def test_engines_get_sigterm_when_the_agent_is_killed(tmp_path):
-    pidfile = tmp_path / "child.pid"
-    parent = f"""
-import os, subprocess, sys, time
-from node_agent.supervisor import _with_parent_death_signal
-child = subprocess.Popen(_with_parent_death_signal([sys.executable, "-c", "import time; time.sleep(60)"]))
-open({str(pidfile)!r}, "w").write(str(child.pid))
-time.sleep(60)
-"""
-    agent = subprocess.Popen([sys.executable, "-c", parent], cwd=os.getcwd())
-    child = int(wait_until(lambda: pidfile.exists() and pidfile.read_text(), 10, "the child's pid"))
+async def test_a_new_agent_adopts_the_engines_of_the_one_that_exited(tmp_path, registry):
+    config = sim_node(tmp_path, registry.address, "--speedup", "50")
+    first = NodeAgent(config, registry.address, "127.0.0.1:1")
+    await first.start()
+    sup = first.supervisors["sim-0"]
+    await eventually(lambda: sup.state is EngineState.RUNNING, 30, "running")
+    pid = sup.process.pid
+    await first.stop()  # an agent restart: the engine keeps running, recorded in the state directory
+    assert os.path.exists(f"/proc/{pid}") and ("register", "sim-0") in registry.events
+    assert ("deregister", "sim-0") not in registry.events
+    registry.events.clear()
 
-    def cmdline() -> str:
-        with contextlib.suppress(OSError):
-            return Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        return ""
+    second = NodeAgent(config, registry.address, "127.0.0.1:1")
+    await second.start()
+    adopted = second.supervisors["sim-0"]
+    try:
+        await eventually(lambda: ("register", "sim-0") in registry.events, 30, "re-registered")
+        assert adopted.process.pid == pid and adopted.adopted and adopted.state is EngineState.RUNNING
+        status = (await NodeAgentService("n1", second.supervisors).GetStatus(None, None)).engines[0]
+        assert status.adopted and status.pid == pid and status.restarts == 0
+        async with httpx.AsyncClient(timeout=10) as http:
+            reply = await http.post(
+                f"{adopted.base_url}/v1/completions",
+                json={"model": "tandem-sim", "prompt": "hi", "max_tokens": 2},
+            )
+        assert reply.status_code == 200
+        # An adopted engine that dies is noticed (pidfd) and launched again by the adopting agent.
+        os.kill(pid, signal.SIGKILL)
+        await eventually(lambda: adopted.running and adopted.process.pid != pid, 30, "relaunched")
+        assert not adopted.adopted and adopted.restarts == 1
+    finally:
+        await second.stop(stop_engines=True)
+    assert not any(os.scandir(config.state_path))  # stopped on request: nothing left to adopt
 
-    # The wrapper arms the signal, then execs the engine in place: same pid, the engine's command line.
-    wait_until(lambda: "pdeathsig" not in cmdline() and "time.sleep(60)" in cmdline(), 10, "the exec")
-    agent.send_signal(signal.SIGKILL)
-    agent.wait()
 
-    def gone() -> bool:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(child, os.WNOHANG)
-        try:
-            return "zombie" in Path(f"/proc/{child}/status").read_text()
-        except OSError:
-            return True
-
-    wait_until(gone, 5, "the engine to die with the agent")
+async def test_a_recorded_engine_launched_differently_is_replaced(tmp_path, registry):
+    config = sim_node(tmp_path, registry.address, "--speedup", "50")
+    first = NodeAgent(config, registry.address, "127.0.0.1:1")
+    await first.start()
+    await eventually(lambda: first.supervisors["sim-0"].state is EngineState.RUNNING, 30, "running")
+    old = first.supervisors["sim-0"].process.pid
+    await first.stop()
+    changed = config.model_copy(deep=True)
+    changed.engines[0].args = ["--speedup", "40"]  # the config changed while no agent ran
+    second = NodeAgent(changed, registry.address, "127.0.0.1:1")
+    await second.start()
+    sup = second.supervisors["sim-0"]
+    try:
+        await eventually(lambda: sup.state is EngineState.RUNNING, 30, "running")
+        assert (
+            sup.process.pid != old and not sup.adopted and start_ticks(old) is None
+        )  # stopped (a zombie here: our child)
+    finally:
+        await second.stop(stop_engines=True)
 
 
 def test_load_from_vllm_metrics_text():

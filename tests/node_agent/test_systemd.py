@@ -13,6 +13,7 @@ import time
 import pytest
 import yaml
 
+from node_agent.processes import read_records
 from node_agent.systemd import SystemdNotify
 from tests.helpers import ROOT, free_ports
 
@@ -42,6 +43,8 @@ def test_unit_declares_notify_restart_hardening_and_etc_tandem():
         assert opts[key] == "yes", key
     assert opts["ProtectSystem"] == "strict" and opts["CapabilityBoundingSet"] == ""
     assert "PrivateDevices" not in opts  # engines need the accelerators
+    # Engines outlive the agent: a stop or restart signals the agent only and keeps their sockets and records.
+    assert opts["KillMode"] == "process" and opts["RuntimeDirectoryPreserve"] == "yes"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
@@ -103,10 +106,18 @@ def test_agent_sends_ready_then_watchdog(tmp_path):
             messages.append(server.recv(4096).decode())
         assert messages[0].startswith("READY=1\nSTATUS=serving 127.0.0.1:")
         assert messages[1:3] == ["WATCHDOG=1", "WATCHDOG=1"]
-        agent.terminate()
+        agent.terminate()  # systemctl stop/restart: the agent exits, its engine keeps serving
         assert agent.wait(30) == 0
         assert server.recv(4096).decode() == "STOPPING=1"
+        (record,) = read_records(tmp_path / "rt" / "state")
+        assert record.name == "s" and record.alive()
     finally:
         if agent.poll() is None:
             agent.kill()
         server.close()
+        stop = subprocess.run(
+            [sys.executable, "-m", "mesh", "agent", "stop", "--engines", "--config", str(config)],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert stop.returncode == 0 and stop.stdout.strip() == "agent n1: not running; stopped s", stop.stderr
+    assert not record.alive() and read_records(tmp_path / "rt" / "state") == []
