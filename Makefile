@@ -13,7 +13,7 @@ PYTEST := $(BIN)/python -m pytest -q
 PRODUCT := tandem mesh coordinator conductor node_agent simengine
 
 .PHONY: help setup protos run run-coordinator run-conductor run-agent run-envoy-config test test-unit test-e2e \
-	test-vllm lint bench clean mooncake-deps
+	test-vllm lint bench clean system-deps
 
 help: ## this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -70,8 +70,8 @@ test-vllm: setup ## real CPU vLLM engines launched by the node agent (~7 min fro
 	TANDEM_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TANDEM_TINY_MODEL=$(abspath $(TINY_MODEL)) \
 		$(PYTEST) -p no:cacheprovider --basetemp=build/test-vllm tests/vllm
 
-mooncake-deps: ## Debian libibverbs1, which the Mooncake transfer engine (the `mooncake` extra) loads; needs root
-	bash scripts/install_mooncake.sh
+system-deps: ## Debian packages the tests use: libibverbs1 (Mooncake transfer engine) and etcd; needs root
+	bash scripts/install_system_deps.sh
 
 # --- quality --------------------------------------------------------------------------------------------------
 lint: setup ## ruff (lint and format), the import-layer contracts, mypy over the product packages
