@@ -73,7 +73,14 @@ def build(mesh: MeshView) -> Coordinator:
     ledger = WorkloadLedger()
     predicted = PredictedCache(config.scheduler.predicted_cache_lifetime_ms / 1000)
     picker = EndpointPicker(
-        config, instances, ledger, config.scheduler.build(), tokenizers, matcher, predicted
+        config,
+        instances,
+        ledger,
+        config.scheduler.build(),
+        tokenizers,
+        matcher,
+        predicted,
+        fallbacks=mesh.destination_fallback,
     )
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
         tokenizers.get(model.name)

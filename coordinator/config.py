@@ -264,6 +264,11 @@ class MeshView(Protocol):
         ...
 
     @property
+    def destination_fallback(self) -> bool:
+        """Whether Envoy's engines cluster takes a second, fallback engine in the destination (`static`)."""
+        ...
+
+    @property
     def conductor_match_address(self) -> str:
         """Where the Match stream goes: the conductor, or Envoy's gRPC listener in front of its replicas."""
         ...

@@ -43,6 +43,7 @@ class Routed:
     request_id: str  # the `X-Request-Id` the engine gets
     ticket: Ticket  # released when Envoy logs the request's end
     body: bytes | None = None  # the body the engine gets instead of the client's (P/D modes)
+    fallback: str | None = None  # a second engine Envoy may retry on (the destination header lists both)
 
 
 @dataclass(slots=True)
@@ -159,4 +160,4 @@ class Decider:
         metrics.routed(instance.instance_id)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
-        return Routed(instance.address, engine_request_id, ticket, body)
+        return Routed(instance.address, engine_request_id, ticket, body, decision.fallback)

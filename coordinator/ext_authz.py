@@ -76,7 +76,10 @@ class Authorization(ea_grpc.AuthorizationServicer):
         # Returned, not written: past this point the reply is grpc's to deliver. Should Envoy drop it (the client
         # left first), Envoy's log of the request carries no ticket and `ended_without_ticket` flags it.
         self.decider.tickets.routed(outcome.ticket)
-        return self._allowed(outcome.destination, outcome.request_id, outcome.ticket.id)
+        destination = outcome.destination
+        if outcome.fallback is not None:  # the `static` engines cluster tries the listed addresses in order
+            destination = f"{destination},{outcome.fallback}"
+        return self._allowed(destination, outcome.request_id, outcome.ticket.id)
 
     def _allowed(self, destination: str, request_id: str, ticket: str) -> ea.CheckResponse:
         # Filled in place, the destination header reused per engine: building these messages from keyword

@@ -55,6 +55,9 @@ class Decision:
     target: Leg  # where Envoy forwards the request: the aggregated engine, or the decode engine
     matches: dict[str, KvMatch] | None = None  # conductor facts for the prefill pool (handoff), asked once
     hashes: tuple[int, ...] = ()  # the first prompt's chain hashes (prefill pool's block size), when asked
+    fallback: str | None = (
+        None  # `host:port` of a second engine for Envoy's retry (aggregated, `static` cluster)
+    )
 
     @property
     def facts(self) -> RequestFacts:
@@ -128,6 +131,7 @@ class EndpointPicker:
         tokenizers: TokenizerCache,
         matcher: ConductorMatcher | None = None,
         predicted: PredictedCache | None = None,
+        fallbacks: bool = False,
     ) -> None:
         self.config = config
         self.instances = instances
@@ -137,6 +141,9 @@ class EndpointPicker:
         self.matcher = matcher
         self.predicted = predicted  # prompts just routed count as cached until KV events confirm them
         self._decode_policy = create_policy("least_load")
+        #: Name a second engine with each aggregated pick, for Envoy's one retry before any response byte (the
+        #: `static` engines cluster tries the named addresses in order; ORIGINAL_DST could only retry the first).
+        self.fallbacks = fallbacks
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
         """Parses and validates the body; 400 for bad input, 404 for an unknown model."""
@@ -221,7 +228,8 @@ class EndpointPicker:
                 chosen.match,
             )
             self._predict(leg, hashes)
-            return Decision(request, request_id, mode, leg)
+            fallback = self._fallback(states, chosen.state) if self.fallbacks else None
+            return Decision(request, request_id, mode, leg, fallback=fallback)
         if mode == HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
                 400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
@@ -235,6 +243,16 @@ class EndpointPicker:
         decode = self._decode_policy.pick(facts, self._candidates(decodes, None))
         leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n))
         return Decision(request, request_id, mode, leg)
+
+    def _fallback(self, states: list[InstanceState], chosen: InstanceState) -> str | None:
+        """The least-loaded other engine of the pick's pool: where Envoy retries if the pick refuses the request
+        before any byte (it died or hung since its last heartbeat). Its workload is not committed: a retry is rare,
+        and the access log's entry releases the request's ticket wherever it ran."""
+        others = [s for s in states if s is not chosen]
+        if not others:
+            return None
+        ledger = self.ledger
+        return min(others, key=lambda s: (ledger.tokens(s.info.instance_id), s.info.instance_id)).info.address
 
     async def pick_prefill(self, decision: Decision, exclude: set[str]) -> Leg:
         """A prefill instance for the next attempt, not one of `exclude`; 503 when none is left."""

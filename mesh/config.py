@@ -116,6 +116,11 @@ class MeshConfig(BaseModel):
         return "ext_authz"
 
     @property
+    def destination_fallback(self) -> bool:
+        """The coordinator names a fallback engine with each pick when Envoy's engines cluster can use it."""
+        return self.envoy.engines_cluster == "static" and self.decision_path == "ext_authz"
+
+    @property
     def metaserver_url(self) -> str:
         """The callback URL decode engines get in trigger mode; it names this coordinator process."""
         address = self.coordinator.metaserver_address or self.envoy.grpc_listen

@@ -125,3 +125,18 @@ async def test_commitment_carries_what_the_engine_counts_at_the_first_token():
     picker = make_picker()
     d = await picker.decide("completions", body(prompt=["a b", "c d e"], n=2), "r")
     assert d.target.commitment.prompt_tokens == d.request.prompt_tokens * 2
+
+
+async def test_fallback_names_the_least_loaded_other_engine_of_the_pool():
+    picker = make_picker(instances=3)
+    assert (await picker.decide("completions", body(prompt="p"), "off")).fallback is None  # off unless asked
+    picker.fallbacks = True
+    busy = await picker.decide("completions", body(prompt="x " * 300, max_tokens=50), "busy")
+    d = await picker.decide("completions", body(prompt="q"), "q")
+    addresses = {s.info.instance_id: s.info.address for s in picker.instances.all()}
+    chosen, loaded = d.target.instance.info.instance_id, busy.target.instance.info.instance_id
+    (idle,) = set(addresses) - {chosen, loaded}
+    assert d.fallback == addresses[idle]  # never the pick itself, and not the loaded engine
+    single = make_picker(instances=1)
+    single.fallbacks = True
+    assert (await single.decide("completions", body(prompt="p"), "s")).fallback is None
