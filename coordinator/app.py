@@ -23,6 +23,7 @@ from coordinator.services import AdminService, MetaserverService, RegistryServic
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
 from tandem.grpc_server import GrpcApp
+from tandem.tls import CALLBACK_ROLE, TlsFiles
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import (  # noqa: F401 - conductor_pb2 and node_agent_pb2 put their descriptors in reflection's pool
     admin_pb2_grpc,
@@ -48,18 +49,32 @@ class Coordinator:
     matcher: ConductorMatcher
 
 
-def build(mesh: MeshView) -> Coordinator:
-    """The coordinator's gRPC app, ready to run."""
+#: Who may call what on the coordinator (`tandem.authz`; checked when the mesh runs with TLS).
+RULES = {
+    # Envoy's own calls only: a call Envoy proxies for someone else carries that caller's identity instead.
+    f"/{EXT_PROC_SERVICE}/": ("envoy",),
+    "/envoy.service.auth.v3.Authorization/": ("envoy",),
+    "/envoy.service.accesslog.v3.AccessLogService/": ("envoy",),
+    # Node agents; which instance ids each may touch is checked per request (RegistryService).
+    "/tandem.v1.Registry/": ("agent/*",),
+    "/tandem.v1.Admin/": ("operator",),
+    # Only through Envoy's callback listener; the per-attempt token in the URL is checked per request.
+    "/tandem.v1.Metaserver/": (CALLBACK_ROLE,),
+}
+
+
+def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
+    """The coordinator's gRPC app, ready to run (mutual TLS and authorization with `tls`)."""
     config = mesh.coordinator
     instances = InstanceTable(m.name for m in mesh.models)
     tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
-    matcher = ConductorMatcher(mesh.conductor.listen, config.scheduler.match_timeout_ms / 1000)
+    matcher = ConductorMatcher(mesh.conductor.listen, config.scheduler.match_timeout_ms / 1000, tls=tls)
     picker = EndpointPicker(
         config, instances, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher
     )
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
         tokenizers.get(model.name)
-    app = GrpcApp("coordinator", config.listen, config.metrics_listen)
+    app = GrpcApp("coordinator", config.listen, config.metrics_listen, tls=tls, rules=RULES)
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
     ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
@@ -88,15 +103,19 @@ async def expire_silent(picker: EndpointPicker, interval_s: float) -> None:
             publish_instance_counts(picker.instances)
 
 
-async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -> None:
+async def run(
+    mesh: MeshView, reload: Callable[[str], MeshView] | None = None, tls: TlsFiles | None = None
+) -> None:
     """Serves until SIGTERM; `reload(path)` re-reads the mesh file when it changes (scheduler hot reload)."""
-    c = build(mesh)
+    c = build(mesh, tls)
     tasks: list[asyncio.Task] = []
 
     async def after_start() -> None:
         c.matcher.start()
         tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.heartbeat_interval_s)))
-        tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
+        tasks.append(
+            asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen, tls=tls))
+        )
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
         if mesh.path and reload is not None:
             tasks.append(asyncio.create_task(watch_config(mesh, reload, c.picker, c.matcher)))

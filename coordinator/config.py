@@ -126,8 +126,8 @@ class CoordinatorConfig(BaseModel):
     replica: str = Field(default="c0", pattern=r"^[A-Za-z0-9_-]+$")
     """This coordinator process's name in metaserver callback URLs (`/v1/metaserver/<replica>`)."""
     metaserver_address: str | None = None
-    """`host:port` decode engines reach the metaserver at (Envoy's gRPC listener, which transcodes the callback);
-    `envoy.grpc_listen` when unset. Never a wildcard; bracket IPv6 literals."""
+    """`host:port` decode engines reach the metaserver at (Envoy's callback listener, which transcodes the
+    callback); `envoy.callback_listen` when unset. Never a wildcard; bracket IPv6 literals."""
     prefill_attempts: int = Field(default=2, ge=1)
     """Prefill instances tried for one request in handoff mode before answering 503."""
     prefill_timeout_s: float = Field(default=120.0, gt=0)
