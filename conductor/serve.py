@@ -13,7 +13,7 @@ from tandem.tls import TlsFiles
 #: Who may call what on the conductor (`tandem.authz`; checked when the mesh runs with TLS).
 RULES = {
     f"/{SERVICE_NAME}/Ingest": ("agent/*",),
-    f"/{SERVICE_NAME}/Match": ("coordinator",),
+    f"/{SERVICE_NAME}/Match": ("coordinator", "operator"),  # operators: to see what the index holds
     f"/{SERVICE_NAME}/GetIndexStats": ("operator", "coordinator"),
 }
 

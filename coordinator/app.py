@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from coordinator import mesh_health, metrics
+from coordinator.api_keys import ApiKeys
 from coordinator.attempts import AttemptRegistry
 from coordinator.config import MeshView
 from coordinator.config_watch import watch_config
@@ -23,6 +24,7 @@ from coordinator.services import AdminService, MetaserverService, RegistryServic
 from coordinator.trigger import TriggerCoordinator
 from coordinator.workload import WorkloadLedger
 from tandem.grpc_server import GrpcApp
+from tandem.limits import MAX_GRPC_MESSAGE_BYTES
 from tandem.tls import CALLBACK_ROLE, TlsFiles
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import (  # noqa: F401 - conductor_pb2 and node_agent_pb2 put their descriptors in reflection's pool
@@ -72,13 +74,21 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     picker = EndpointPicker(
         config, instances, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher
     )
+    picker.max_model_len = {m.name: m.max_model_len for m in mesh.models if m.max_model_len}
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
         tokenizers.get(model.name)
-    app = GrpcApp("coordinator", config.listen, config.metrics_listen, tls=tls, rules=RULES)
+    # One ext_proc message carries a whole buffered body: the gRPC limit follows Envoy's buffer limit.
+    options = [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ]
+    app = GrpcApp("coordinator", config.listen, config.metrics_listen, options=options, tls=tls, rules=RULES)
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
-    trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
-    ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s)
-    registry = RegistryService(instances, config)
+    trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url, config.callback_kv_hosts)
+    api_keys = ApiKeys.load(config.api_keys_file, config.api_keys_env)
+    ext_proc = ExternalProcessor(picker, handoff, trigger, config.prefill_budget_s, api_keys)
+    registry = RegistryService(instances, config, tls_on=tls is not None)
     admin = AdminService(picker, ext_proc.counters, mesh)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)

@@ -8,6 +8,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, policy_types
 from coordinator.scheduling.params import as_dict
 from tandem.netaddr import Address, is_wildcard, split_host_port
@@ -134,6 +135,16 @@ class CoordinatorConfig(BaseModel):
     """Longest prefill leg; past it the leg counts as failed."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Scheduling policy."""
+    limits: RequestLimits = RequestLimits()
+    """The largest request accepted (`max_tokens`, `n`, prompts, JSON depth); larger is answered 400."""
+    callback_kv_hosts: list[str] = []
+    """Trigger mode: addresses or networks (CIDR) a decode engine's callback may name as `remote_host` besides the
+    decode instance's own host (for KV transfer NICs other than the HTTP address)."""
+    api_keys_file: str | None = None
+    """API keys of the OpenAI port, one per line (`#` comments). With keys (here or in `api_keys_env`), every
+    `/v1/` request needs `Authorization: Bearer <key>`, else 401; the header is not forwarded to engines."""
+    api_keys_env: str | None = None
+    """The name of an environment variable holding API keys, comma-separated."""
 
     @field_validator("metaserver_address")
     @classmethod
@@ -153,6 +164,8 @@ class _Model(Protocol):
     def name(self) -> str: ...
     @property
     def tokenizer(self) -> str | None: ...
+    @property
+    def max_model_len(self) -> int | None: ...
 
 
 class _Listener(Protocol):

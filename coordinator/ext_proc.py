@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,11 +22,13 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from coordinator import metrics
+from coordinator.api_keys import ApiKeys
 from coordinator.attempts import Attempt
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
 from coordinator.openai_request import ROUTED_PATHS
 from coordinator.picker import HANDOFF, TRIGGER, Decision, EndpointPicker
+from coordinator.request_ids import CLIENT_ID_HEADER, client_request_id, log_id, mint_request_id
 from coordinator.trigger import TriggerCoordinator
 from tandem.logs import request_id_var
 
@@ -73,6 +74,11 @@ def immediate(status: int, body: bytes, details: str) -> ep.ProcessingResponse:
     )
 
 
+UNAUTHORIZED = OpenAIError(
+    401, "Missing or incorrect API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
+)
+
+
 def error_response(error: OpenAIError) -> ep.ProcessingResponse:
     """An OpenAI-style JSON error answered by Envoy on the coordinator's behalf."""
     return immediate(error.status, error.body(), f"tandem_{error.status}")
@@ -89,12 +95,13 @@ class RequestCounters:
 class _Stream:
     """Per-HTTP-request state: small and typed."""
 
-    __slots__ = ("path", "api", "request_id", "decision", "attempt")
+    __slots__ = ("path", "api", "request_id", "client_request_id", "decision", "attempt")
 
     def __init__(self) -> None:
         self.path = ""
         self.api: str | None = None
-        self.request_id = ""
+        self.request_id = ""  # minted by the coordinator: what engines, attempts and callbacks see
+        self.client_request_id = ""  # the client's X-Request-Id: logs and the echo only
         self.decision: Decision | None = None
         self.attempt: Attempt | None = None
 
@@ -108,7 +115,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         handoff: HandoffRunner,
         trigger: TriggerCoordinator,
         prefill_budget_s: float,
+        api_keys: ApiKeys | None = None,
     ) -> None:
+        self.api_keys = api_keys or ApiKeys()
         self.picker = picker
         self.handoff = handoff
         self.trigger = trigger
@@ -139,14 +148,17 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     yield _CONTINUE_RESPONSE_TRAILERS
         finally:
             # Completed, failed, or cut by the client: Envoy ended the stream, the request holds nothing more.
-            if stream.attempt is not None:  # trigger mode: cancels a prefill leg still in flight
-                self.trigger.registry.close(stream.attempt)
-            decision = stream.decision
-            if decision is not None and self.picker.release(decision.target):
-                metrics.INFLIGHT.dec()
+            try:
+                if stream.attempt is not None:  # trigger mode: cancels a prefill leg still in flight
+                    self.trigger.registry.close(stream.attempt)
+            finally:  # whatever happened above, the workload is released
+                decision = stream.decision
+                if decision is not None and self.picker.release(decision.target):
+                    metrics.INFLIGHT.dec()
 
     def _on_headers(self, stream: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
         method = ""
+        authorization = None
         for h in headers.headers.headers:
             key = h.key
             if key == ":path":
@@ -154,9 +166,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             elif key == ":method":
                 method = _text(h)
             elif key == "x-request-id":
-                stream.request_id = _text(h)
-        stream.request_id = stream.request_id or uuid.uuid4().hex
-        request_id_var.set(stream.request_id)
+                stream.client_request_id = client_request_id(_text(h))
+            elif key == "authorization":
+                authorization = _text(h)
+        stream.request_id = mint_request_id()  # never the client's: duplicates must not meet inside the mesh
+        request_id_var.set(log_id(stream.client_request_id, stream.request_id))
+        if stream.path.startswith("/v1/") and not self.api_keys.accepts(authorization):
+            return self._reject(UNAUTHORIZED)
         api = ROUTED_PATHS.get(stream.path)
         if api is not None:
             if method != "POST":
@@ -207,13 +223,19 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 return
         if log.isEnabledFor(logging.DEBUG):
             log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
-        headers = [_header(DESTINATION_HEADER, instance.address), _header("x-request-id", engine_request_id)]
+        headers = [
+            _header(DESTINATION_HEADER, instance.address),
+            _header("x-request-id", engine_request_id),
+            _header(CLIENT_ID_HEADER, stream.client_request_id or stream.request_id),
+        ]
         mutation = None
         if new_body is not None:
             headers.append(_header("content-length", str(len(new_body))))
             mutation = ep.BodyMutation(body=new_body)
+        # The mesh's API key is not the engine's business.
+        removed = ["authorization"] if self.api_keys.enabled else []
         common = ep.CommonResponse(
-            header_mutation=ep.HeaderMutation(set_headers=headers),
+            header_mutation=ep.HeaderMutation(set_headers=headers, remove_headers=removed),
             body_mutation=mutation,
             clear_route_cache=True,
         )

@@ -21,6 +21,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
+from coordinator.limits import check_body, check_context
 from coordinator.openai_request import OpenAIRequest, model_of, parse_body, understand
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts, create_policy
 from coordinator.workload import Commitment, WorkloadLedger
@@ -113,17 +114,23 @@ class EndpointPicker:
         self.tokenizers = tokenizers
         self.matcher = matcher
         self._decode_policy = create_policy("least_load")
+        #: Context length per model, from the mesh file's `models[].max_model_len` (checked when known).
+        self.max_model_len: dict[str, int] = {}
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
         """Parses and validates the body; 400 for bad input, 404 for an unknown model."""
         body = parse_body(raw_body)
+        check_body(api, body, self.config.limits)
         model = model_of(body)
         if model not in self.instances.known_models:
             served = ", ".join(sorted(self.instances.known_models)) or "none"
             raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
         chat = api == "chat.completions"
         default_max = self.config.chat_default_max_tokens if chat else self.config.default_max_tokens
-        return understand(api, body, self.tokenizers.get(model), default_max)
+        request = understand(api, body, self.tokenizers.get(model), default_max)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        check_context(request.prompts, asked, self.max_model_len.get(model), model)
+        return request
 
     def mode_of(self, model: str) -> str:
         """The serving mode of `model`: `pd_mode`, or under `auto` what its instances' roles and dispatch

@@ -152,9 +152,7 @@ def _coordinator(path: str, certs: str | None) -> int:
     return run_component("coordinator", lambda: load_mesh_config(path), main)
 
 
-def _conductor(
-    path: str | None, listen: str | None, metrics_listen: str | None, certs: str | None
-) -> int:
+def _conductor(path: str | None, listen: str | None, metrics_listen: str | None, certs: str | None) -> int:
     from conductor.config import ConductorConfig
     from conductor.serve import serve
     from mesh.config import load_mesh_config, parse_mesh_config
@@ -179,8 +177,8 @@ def _agent(
     path: str, node: str | None, node_rank: int | None, master_addr: str | None, certs: str | None
 ) -> int:
     from mesh.config import load_mesh_config
-    from node_agent.app import run
     from mesh.security import component_tls, engine_tls_env
+    from node_agent.app import run
     from node_agent.launch import LaunchError, Placement
     from tandem.process import run_component
 

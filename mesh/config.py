@@ -86,6 +86,8 @@ class ModelConfig(BaseModel):
     """The name clients send as `model`."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer directory; the built-in deterministic tokenizer (simengine's) when unset."""
+    max_model_len: int | None = Field(default=None, gt=0)
+    """The model's context length: a prompt plus `max_tokens` beyond it is answered 400 by the coordinator."""
 
 
 class MeshConfig(BaseModel):

@@ -37,12 +37,17 @@ CONTROL_ACCESS = [
             "/tandem.v1.Admin/",
             "/tandem.v1.NodeAgent/",
             "/tandem.v1.Conductor/GetIndexStats",
+            "/tandem.v1.Conductor/Match",
             "/grpc.health.v1.Health/",
             "/grpc.reflection.",
         ],
         ["operator"],
     ),
-    ("node-agents", ["/tandem.v1.Registry/", "/tandem.v1.Conductor/Ingest", "/grpc.health.v1.Health/"], ["agent/*"]),
+    (
+        "node-agents",
+        ["/tandem.v1.Registry/", "/tandem.v1.Conductor/Ingest", "/grpc.health.v1.Health/"],
+        ["agent/*"],
+    ),
 ]
 #: What the control listener routes to the coordinator (nothing else is routed there).
 COORDINATOR_SERVICES = [

@@ -121,9 +121,7 @@ def _wait(component: Component, ready, timeout: float) -> None:
 class Mesh:
     """The processes of one `tandem up`."""
 
-    def __init__(
-        self, mesh: MeshConfig, config_path: str, run_dir: Path, certs: str | None = None
-    ) -> None:
+    def __init__(self, mesh: MeshConfig, config_path: str, run_dir: Path, certs: str | None = None) -> None:
         self.mesh = mesh
         self.config_path = str(Path(config_path).resolve())
         self.run_dir = run_dir
@@ -159,6 +157,8 @@ class Mesh:
     def start(self) -> None:
         """Starts everything and waits until each part answers; raises StartError otherwise."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.certs is None:
+            self.prepare_certs()
         if not DESCRIPTOR.exists():
             raise StartError(f"{DESCRIPTOR} is missing: run `make protos`")
         py = sys.executable
@@ -241,7 +241,9 @@ def print_urls(mesh: MeshConfig, run_dir: Path, certs: Path | None = None) -> No
     """What a user needs to start calling the mesh."""
     http, grpc_addr = mesh.envoy.http_listen, mesh.envoy.grpc_listen
     if certs is None:
-        security = "  INSECURE       plain text between components, no caller authentication (security.insecure)\n"
+        security = (
+            "  INSECURE       plain text between components, no caller authentication (security.insecure)\n"
+        )
     else:
         security = f"  certificates   {certs}/ (mutual TLS; operator: operator.pem)\n"
     models = sorted({e.model for a in mesh.node_agents for e in a.engines} | {m.name for m in mesh.models})

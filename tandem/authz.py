@@ -16,6 +16,7 @@ depend on the request (a node agent may only register its own node's instances).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -121,6 +122,13 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, rules: Rules) -> grpc.
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
     if handler.unary_stream:
         inner_us = handler.unary_stream
+        if not inspect.isasyncgenfunction(inner_us):  # writes with context.write (e.g. Health/Watch)
+
+            async def unary_stream_writer(request, context):
+                await authorize(context)
+                await inner_us(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream_writer, **kwargs)
 
         async def unary_stream(request, context):
             await authorize(context)
@@ -137,6 +145,13 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, rules: Rules) -> grpc.
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
     inner_ss = handler.stream_stream
+    if not inspect.isasyncgenfunction(inner_ss):
+
+        async def stream_stream_writer(request_iterator, context):
+            await authorize(context)
+            await inner_ss(request_iterator, context)
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream_writer, **kwargs)
 
     async def stream_stream(request_iterator, context):
         await authorize(context)

@@ -14,6 +14,7 @@ import grpc
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem import tls
 from tandem.v1 import admin_pb2, admin_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +39,37 @@ class RunningMesh:
     @property
     def grpc_address(self) -> str:
         return self.config["envoy"]["grpc_listen"]
+
+    @property
+    def callback_address(self) -> str:
+        return self.config["envoy"]["callback_listen"]
+
+    @property
+    def insecure(self) -> bool:
+        return bool(self.config.get("security", {}).get("insecure"))
+
+    @property
+    def certs(self) -> Path:
+        """The certificates `tandem up` made (in its run directory)."""
+        return self.run_dir / "certs"
+
+    def tls(self, role: str = "operator") -> tls.TlsFiles | None:
+        """The certificate files of `role` (None in insecure mode)."""
+        return None if self.insecure else tls.TlsFiles.for_role(self.certs, role)
+
+    def channel(self, role: str = "operator", address: str | None = None) -> grpc.Channel:
+        """A channel to Envoy's control listener (or `address`) with `role`'s certificate."""
+        return tls.channel(address or self.grpc_address, self.tls(role), "envoy")
+
+    def grpcurl_flags(self, role: str = "operator") -> list[str]:
+        """How grpcurl reaches the control listener as `role` (the README's line)."""
+        if self.insecure:
+            return ["-plaintext"]
+        stem = tls.file_stem(role)
+        return [
+            "-cacert", str(self.certs / "ca.pem"), "-cert", str(self.certs / f"{stem}.pem"),
+            "-key", str(self.certs / f"{stem}-key.pem"),
+        ]  # fmt: skip
 
     def start(self, timeout: float = 90) -> None:
         out = open(self.output, "wb")  # noqa: SIM115
@@ -67,10 +99,10 @@ class RunningMesh:
         raise RuntimeError(f"tandem up not ready in {timeout}s:\n{self.output.read_text()}")
 
     def admin(self) -> admin_pb2_grpc.AdminStub:
-        return admin_pb2_grpc.AdminStub(grpc.insecure_channel(self.grpc_address))
+        return admin_pb2_grpc.AdminStub(self.channel())
 
     def agent(self) -> node_agent_pb2_grpc.NodeAgentStub:
-        return node_agent_pb2_grpc.NodeAgentStub(grpc.insecure_channel(self.grpc_address))
+        return node_agent_pb2_grpc.NodeAgentStub(self.channel())
 
     def engines(self) -> dict[str, node_agent_pb2.EngineStatus]:
         status = self.agent().GetStatus(node_agent_pb2.GetStatusRequest(), timeout=5)

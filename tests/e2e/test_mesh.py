@@ -80,7 +80,10 @@ def test_openai_sdk(mesh):
 
 def test_grpcurl_lists_services_and_health(mesh):
     listed = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "list"], capture_output=True, text=True, timeout=20
+        [GRPCURL, *mesh.grpcurl_flags(), mesh.grpc_address, "list"],
+        capture_output=True,
+        text=True,
+        timeout=20,
     )
     assert listed.returncode == 0, listed.stderr
     services = set(listed.stdout.split())
@@ -89,7 +92,7 @@ def test_grpcurl_lists_services_and_health(mesh):
         check = subprocess.run(
             [
                 GRPCURL,
-                "-plaintext",
+                *mesh.grpcurl_flags(),
                 "-d",
                 json.dumps({"service": f"tandem.v1.{name}"}),
                 mesh.grpc_address,
@@ -101,7 +104,7 @@ def test_grpcurl_lists_services_and_health(mesh):
         )
         assert json.loads(check.stdout)["status"] == "SERVING", (name, check.stdout, check.stderr)
     instances = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.Admin/ListInstances"],
+        [GRPCURL, *mesh.grpcurl_flags(), mesh.grpc_address, "tandem.v1.Admin/ListInstances"],
         capture_output=True,
         text=True,
     )
@@ -109,14 +112,14 @@ def test_grpcurl_lists_services_and_health(mesh):
     assert listed_ids == ["sim-0", "sim-1"]
     # Methods of the other processes resolve through the same reflection and reach the right process.
     agent = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.NodeAgent/GetStatus"],
+        [GRPCURL, *mesh.grpcurl_flags(), mesh.grpc_address, "tandem.v1.NodeAgent/GetStatus"],
         capture_output=True,
         text=True,
     )
     assert agent.returncode == 0, agent.stderr
     assert [e["state"] for e in json.loads(agent.stdout)["engines"]] == ["ENGINE_STATE_RUNNING"] * 2
     index = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.Conductor/GetIndexStats"],
+        [GRPCURL, *mesh.grpcurl_flags(), mesh.grpc_address, "tandem.v1.Conductor/GetIndexStats"],
         capture_output=True,
         text=True,
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mesh.certs import ensure_certs
 from mesh.config import load_mesh_config, parse_mesh_config
 from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config, write_envoy_config
 from mesh.up import envoy_binary
@@ -37,7 +38,9 @@ def test_golden_rendering():
 
 @pytest.mark.parametrize("mesh_file", MESH_FILES)
 def test_real_envoy_validates_every_shipped_mesh(mesh_file, tmp_path):
-    path = write_envoy_config(load_mesh_config(ROOT / mesh_file), DESCRIPTOR, tmp_path / "envoy.yaml")
+    mesh = load_mesh_config(ROOT / mesh_file)
+    ensure_certs(tmp_path / "certs", mesh)
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
@@ -47,7 +50,7 @@ def test_real_envoy_validates_every_shipped_mesh(mesh_file, tmp_path):
 def test_ingress_never_forwards_unrouted_requests():
     config = build_envoy_config(load_mesh_config("configs/default.yaml"), DESCRIPTOR)
     ingress = config["static_resources"]["listeners"][0]
-    hcm = ingress["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = hcm_of(ingress)
     ext_proc = hcm["http_filters"][0]["typed_config"]
     assert ext_proc["failure_mode_allow"] is False
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
@@ -59,11 +62,20 @@ def test_ingress_never_forwards_unrouted_requests():
     assert engines["original_dst_lb_config"]["http_header_name"] == DESTINATION_HEADER
 
 
+def hcm_of(listener: dict) -> dict:
+    """The HTTP connection manager of a listener."""
+    filters = listener["filter_chains"][0]["filters"]
+    return next(f for f in filters if f["name"].endswith("http_connection_manager"))["typed_config"]
+
+
 def test_ipv6_listeners(tmp_path):
-    mesh = parse_mesh_config({"envoy": {"http_listen": "[::1]:8000", "grpc_listen": "[::1]:9000"}})
+    mesh = parse_mesh_config(
+        {"envoy": {"http_listen": "[::1]:8000", "grpc_listen": "[::1]:9000", "callback_listen": "[::1]:9002"}}
+    )
+    ensure_certs(tmp_path / "certs", mesh)
     listeners = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"]
     assert listeners[0]["address"]["socket_address"] == {"address": "::1", "port_value": 8000}
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
