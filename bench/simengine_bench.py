@@ -15,19 +15,14 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from bench.harness import free_ports
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engine(port: int, *args: str) -> subprocess.Popen:
@@ -109,7 +104,7 @@ def _load_client(port: int, streams: int, tokens: int, seconds: float, seed: int
 
 
 def throughput(streams: int, tokens: int, seconds: float, seed: int) -> tuple[float, float]:
-    port = free_port()
+    (port,) = free_ports(1)
     proc = start_engine(port, "--speedup", "10000", "--max-num-seqs", str(streams), "--npu-blocks", "65536")
     try:
         q: mp.Queue = mp.Queue()
@@ -153,7 +148,7 @@ def timing(
     from simengine.profiles import PROFILES
 
     profile = PROFILES[profile_name]
-    port = free_port()
+    (port,) = free_ports(1)
     proc = start_engine(port, "--profile", profile_name, "--speedup", "1")
     try:
         ttft, itl = asyncio.run(_latency(port, prompt_tokens, out_tokens, runs))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TRACE_BLOCK = 512
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
+DATA = Path(__file__).resolve().parent / "data" / "mooncake"  # copied in, unchanged: see SOURCE.md there
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +37,9 @@ def find_trace(name: str) -> Path:
     path = Path(name)
     if path.exists():
         return path
-    for candidate in (
-        DATA / f"{name}_trace.jsonl",
-        Path.cwd().parent / "shared/data/mooncake" / f"{name}_trace.jsonl",
-    ):
-        if candidate.exists():
-            return candidate
+    candidate = DATA / f"{name}_trace.jsonl"
+    if candidate.exists():
+        return candidate
     raise FileNotFoundError(f"trace {name!r} not found (looked in {DATA})")
 
 

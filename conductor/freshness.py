@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)  # a rank's key (the conductor uses (instance_id, dp_rank))
 
 
 @dataclass(slots=True)
@@ -54,26 +55,24 @@ class FreshnessCounters:
     duplicates: int = 0  # replayed batches already applied, skipped
 
 
-class SequenceTracker(Generic[T]):
+class SequenceTracker(Generic[K, T]):
     """Sequence state of every engine rank; `T` is the caller's batch type, passed through untouched."""
 
     def __init__(self, max_pending: int = 10_000, replay_timeout_s: float = 10.0) -> None:
         self.max_pending = max_pending
         self.replay_timeout_s = replay_timeout_s
-        self.ranks: dict[Hashable, RankSeq] = {}
+        self.ranks: dict[K, RankSeq] = {}
         self.counters = FreshnessCounters()
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: K) -> None:
         """Drops a rank's state (its instance went away)."""
         self.ranks.pop(key, None)
 
-    def replaying(self, key: Hashable) -> bool:
+    def replaying(self, key: K) -> bool:
         st = self.ranks.get(key)
         return st is not None and st.replay_from is not None
 
-    def on_batch(
-        self, key: Hashable, seq: int, replayed: bool, batch: T, now: float, can_replay: bool
-    ) -> Step[T]:
+    def on_batch(self, key: K, seq: int, replayed: bool, batch: T, now: float, can_replay: bool) -> Step[T]:
         """Decides about one batch of rank `key`; `can_replay` tells whether its source has a replay socket."""
         st = self.ranks.get(key)
         if st is None:
@@ -125,7 +124,7 @@ class SequenceTracker(Generic[T]):
         st.expected = seq + 1
         return Step(clear=True, apply=[batch])
 
-    def on_replay_done(self, key: Hashable, recovered: bool) -> Step[T]:
+    def on_replay_done(self, key: K, recovered: bool) -> Step[T]:
         """The source finished the replay; releases held live batches."""
         st = self.ranks.get(key)
         if st is None or st.replay_from is None:
@@ -138,7 +137,7 @@ class SequenceTracker(Generic[T]):
         self.counters.recovered += 1
         return self._release(st, self._end_replay(st), clear=False)
 
-    def expire(self, now: float) -> list[tuple[Hashable, Step[T]]]:
+    def expire(self, now: float) -> list[tuple[K, Step[T]]]:
         """Gives up replays past their deadline: each such rank is cleared and its held batches applied."""
         out = []
         for key, st in self.ranks.items():
@@ -147,7 +146,7 @@ class SequenceTracker(Generic[T]):
                 out.append((key, self._release(st, self._end_replay(st), clear=True)))
         return out
 
-    def source_lost(self, keys: list[Hashable]) -> list[tuple[Hashable, Step[T]]]:
+    def source_lost(self, keys: list[K]) -> list[tuple[K, Step[T]]]:
         """The stream carrying these ranks ended: a replay it owed will not come, so those ranks are cleared."""
         out = []
         for key in keys:

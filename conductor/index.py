@@ -227,6 +227,7 @@ class KvIndex:
         hashes = ev.block_hashes
         tokens = ev.token_ids
         n = min(len(hashes), (len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)) // bs)
+        own: int | None
         if ev.parent_block_hash is None:
             own = lora_root(ev.lora_name)
         else:

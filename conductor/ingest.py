@@ -111,7 +111,7 @@ class IngestCore:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.index = index
-        self.tracker: SequenceTracker[IncomingBatch] = tracker or SequenceTracker()
+        self.tracker: SequenceTracker[tuple[str, int], IncomingBatch] = tracker or SequenceTracker()
         self.clock = clock
         self.wall = wall
         self.rank_source: dict[tuple[str, int], Hashable] = {}

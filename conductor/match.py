@@ -161,19 +161,21 @@ def match(
         holders = space.holders
         by_instance: dict[str, InstanceHit] = {}
         for slot, (n, c, d) in counts.items():
-            h = holders.get(slot)
+            owner = holders.get(slot)
             total = n + c + d
-            if h is None or not total:
+            if owner is None or not total:
                 continue
-            hit = by_instance.get(h.instance_id)
+            hit = by_instance.get(owner.instance_id)
             if hit is None:
-                hit = by_instance[h.instance_id] = InstanceHit(h.instance_id, bs, total * bs, h.dp_rank, [])
+                hit = by_instance[owner.instance_id] = InstanceHit(
+                    owner.instance_id, bs, total * bs, owner.dp_rank, []
+                )
                 hits.append(hit)
             elif total * bs > hit.matched_tokens or (
-                total * bs == hit.matched_tokens and h.dp_rank < hit.best_dp_rank
+                total * bs == hit.matched_tokens and owner.dp_rank < hit.best_dp_rank
             ):
-                hit.matched_tokens, hit.best_dp_rank = total * bs, h.dp_rank
-            hit.ranks.append(RankHit(h.dp_rank, n, c, d))
+                hit.matched_tokens, hit.best_dp_rank = total * bs, owner.dp_rank
+            hit.ranks.append(RankHit(owner.dp_rank, n, c, d))
         for hit in by_instance.values():
             if len(hit.ranks) > 1:
                 hit.ranks.sort(key=lambda r: r.dp_rank)

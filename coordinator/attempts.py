@@ -147,6 +147,8 @@ class AttemptRegistry:
         await asyncio.shield(outcome)
 
     async def _run(self, attempt: Attempt, run_leg: Callable[[Attempt], Awaitable[None]]) -> None:
+        outcome = attempt.outcome
+        assert outcome is not None  # created before the leg starts
         try:
             await run_leg(attempt)
         except asyncio.CancelledError:
@@ -154,10 +156,10 @@ class AttemptRegistry:
         except Exception as exc:  # the leg failed: every waiting callback gets the error
             if attempt.open:
                 attempt.state = AttemptState.FAILED
-            if not attempt.outcome.done():
-                attempt.outcome.set_exception(PrefillLegFailed(str(exc)))
+            if not outcome.done():
+                outcome.set_exception(PrefillLegFailed(str(exc)))
             return
         if attempt.open:
             attempt.state = AttemptState.DONE
-        if not attempt.outcome.done():
-            attempt.outcome.set_result(None)
+        if not outcome.done():
+            outcome.set_result(None)

@@ -19,6 +19,12 @@ log = logging.getLogger(__name__)
 PARAM_SECTIONS = ("kv_affinity", "dynamo", "sglang_cache_aware", "llm_d")
 
 
+def _params(policy_type: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` parameters of `policy_type` validated and completed with the defaults (an error names the key)."""
+    policy: Any = create_policy(policy_type, raw)  # every built-in keeps its frozen `params` dataclass
+    return as_dict(policy.params)
+
+
 class PolicySpec(BaseModel):
     """A named policy instance with its parameters (to compare variants side by side)."""
 
@@ -78,7 +84,7 @@ class SchedulerConfig(BaseModel):
     def _check_policies(self) -> SchedulerConfig:
         types = policy_types()
         for section in PARAM_SECTIONS:
-            setattr(self, section, as_dict(create_policy(section, getattr(self, section)).params))
+            setattr(self, section, _params(section, getattr(self, section)))
         names: set[str] = set()
         for spec in self.policies:
             if spec.name in names or spec.name in types:
@@ -88,7 +94,7 @@ class SchedulerConfig(BaseModel):
                 raise ValueError(
                     f"policies.{spec.name}.type: unknown policy type {spec.type!r} (known: {', '.join(types)})"
                 )
-            spec.params = as_dict(create_policy(spec.type, spec.params).params)
+            spec.params = _params(spec.type, spec.params)
         if self.policy not in types and self.policy not in names:
             known = ", ".join([*types, *sorted(names)])
             raise ValueError(f"policy: unknown scheduling policy {self.policy!r} (known: {known})")

@@ -124,11 +124,8 @@ class ConductorMatcher:
         if reply is None:
             metrics.MATCH_FALLBACKS.labels("unavailable").inc()
             return None
-        hits: dict[str, KvMatch] = {}
-        for inst in reply.instances:
-            best = next((r for r in inst.ranks if r.dp_rank == inst.best_dp_rank), None)
-            if best is not None:
-                hits[inst.instance_id] = KvMatch(
-                    best.npu_blocks, best.cpu_blocks, best.disk_blocks, inst.block_size
-                )
-        return hits
+        return {
+            inst.instance_id: match
+            for inst in reply.instances
+            if (match := best_rank_match(inst)) is not NO_MATCH
+        }

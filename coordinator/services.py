@@ -135,6 +135,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         state = self.picker.instances.get(instance_id)
         if state is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {instance_id!r} is registered")
+        assert state is not None  # abort raised
         state.drained = drained
         log.info("drained" if drained else "undrained", extra={"instance": instance_id})
         return self._status(instance_id)

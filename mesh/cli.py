@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tandem.version import __version__
 
@@ -146,7 +146,7 @@ def _coordinator(path: str, certs: str | None) -> int:
     from mesh.security import component_tls
     from tandem.process import run_component
 
-    def main(mesh: MeshConfig) -> Awaitable[None]:
+    def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
         return run(mesh, load_mesh_config, component_tls(mesh, "coordinator", certs))
 
     return run_component("coordinator", lambda: load_mesh_config(path), main)
@@ -191,7 +191,7 @@ def _agent(
         node_rank if node_rank is not None else env.node_rank, master_addr or env.master_addr
     )
 
-    def main(mesh: MeshConfig) -> Awaitable[None]:
+    def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
         config = mesh.node_agent(node)
         coordinator = config.coordinator_address or mesh.coordinator.listen
         conductor = config.conductor_address or mesh.conductor.listen

@@ -195,7 +195,7 @@ def parse_command(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
             engine["host"] = words.value()
         elif flag == "--served-model-name":
             engine["model"] = words.value()
-            while words.peek() is not None and not words.peek().startswith("-"):
+            while (following := words.peek()) is not None and not following.startswith("-"):
                 words.next()  # further names: the first one is the routed name
         elif flag == "--kv-transfer-config":
             transfer = _json(flag, words.value())

@@ -30,7 +30,7 @@ _ROLES = {
 }
 
 
-def dispatch_capability(engine: EngineConfig) -> int:
+def dispatch_capability(engine: EngineConfig) -> common_pb2.DispatchCapability:
     """How requests reach an engine, from its connector: layerwise (decode calls the metaserver back) is trigger,
     another P/D connector on a prefill or decode engine is handoff, anything else is aggregated."""
     if engine.role == "hybrid" or not engine.kv_connector:

@@ -39,6 +39,7 @@ import copy
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from node_agent.config import MOONCAKE_TOPOLOGY_CONNECTORS, EngineConfig
@@ -56,7 +57,7 @@ class Placement:
     master_addr: str | None = None
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Placement:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Placement:
         """`TANDEM_NODE_RANK` and `TANDEM_MASTER_ADDR` (set by a systemd EnvironmentFile, a pod spec, ...)."""
         env = os.environ if env is None else env
         rank = env.get("TANDEM_NODE_RANK", "").strip()
@@ -211,6 +212,7 @@ def build_launch(
     transfer = kv_transfer_config(engine, runtime_dir)
     start, local = engine.data_parallel_start_rank, engine.local_dp_size
     dp = engine.data_parallel_size
+    groups: list[tuple[tuple[int, ...], int]]
     if engine.data_parallel_mode == "external" or dp == 1:
         groups = [((start + i,), i) for i in range(local)]
     else:

@@ -25,7 +25,7 @@ def engine_status(sup: EngineSupervisor, node_id: str) -> node_agent_pb2.EngineS
     status = node_agent_pb2.EngineStatus(
         instance=instance_message(sup, node_id),
         state=_STATES[sup.state],
-        pid=sup.process.pid if running else 0,
+        pid=sup.process.pid if running and sup.process is not None else 0,
         restarts=sup.restarts,
         argv=sup.spec.argv,
         detail=sup.detail,
@@ -53,6 +53,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no engine {instance_id!r} on this node (known: {known})"
             )
+        assert sup is not None  # abort raised
         return sup
 
     async def GetStatus(self, request, context) -> node_agent_pb2.GetStatusResponse:
@@ -82,6 +83,7 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{request.instance_id!r} is already draining"
             )
+        assert sup.engine is not None  # registrable: an engine, not a store
         timeout = sup.engine.drain_timeout_s
         remaining = context.time_remaining()
         if remaining is not None:

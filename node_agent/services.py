@@ -99,9 +99,8 @@ class EngineService(_Supervised):
         os.makedirs(self.runtime_dir, exist_ok=True)
         for sup in self.supervisors:
             if not _executable_exists(sup.spec.argv[0]):
-                raise ServiceError(
-                    f"engine {sup.name!r}: {sup.spec.argv[0]!r} not found (backend {sup.engine.backend})"
-                )
+                backend = sup.engine.backend if sup.engine else "service"
+                raise ServiceError(f"engine {sup.name!r}: {sup.spec.argv[0]!r} not found (backend {backend})")
 
 
 class KvStoreService(_Supervised):

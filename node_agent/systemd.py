@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Mapping
 
 import sdnotify
 
@@ -16,7 +17,7 @@ import sdnotify
 class SystemdNotify:
     """Readiness, status and watchdog notifications; every method is a no-op outside systemd."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         self.enabled = bool(env.get("NOTIFY_SOCKET"))
         self._notifier = sdnotify.SystemdNotifier() if self.enabled else None

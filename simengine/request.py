@@ -106,10 +106,6 @@ class Request:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
-    def anon_repr(self) -> str:
-        """For logs: no prompt text or tokens."""
-        return f"Request({self.request_id}, prompt_len={self.num_prompt_tokens}, status={self.status.value})"
-
 
 _FINISHED = {
     Status.FINISHED_STOPPED,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Sequence
 from typing import NewType
 
 import xxhash
@@ -31,7 +32,7 @@ def lora_root(lora_name: str | None) -> int:
     return ROOT_SEED if not lora_name else _xxh3(lora_name.encode())
 
 
-def token_bytes(token_ids: list[int] | array | bytes) -> bytes:
+def token_bytes(token_ids: Sequence[int] | array | bytes) -> bytes:
     """Token ids as contiguous little-endian uint32 bytes (the input of the hash); bytes pass through."""
     if isinstance(token_ids, bytes):
         return token_ids
@@ -43,7 +44,7 @@ def token_bytes(token_ids: list[int] | array | bytes) -> bytes:
 
 
 def chain_hashes(
-    token_ids: list[int] | array | bytes, block_size: int, parent: int | None = None
+    token_ids: Sequence[int] | array | bytes, block_size: int, parent: int | None = None
 ) -> list[int]:
     """Hashes of the full blocks of `token_ids`, in order, chained from `parent` (a chain hash) or the root.
 

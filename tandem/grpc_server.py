@@ -78,10 +78,6 @@ class GrpcApp:
         """Runs `callback` after the server stopped taking calls, before the process exits."""
         self._on_stop.append(callback)
 
-    def request_stop(self) -> None:
-        """Starts a clean shutdown, as SIGTERM does."""
-        self._stopping.set()
-
     async def start(self) -> None:
         """Binds, marks every service SERVING and starts the metrics endpoint."""
         names = [*self._services, *self._extra_reflection, HEALTH_SERVICE, REFLECTION_SERVICE]

@@ -232,9 +232,3 @@ def split_replay_reply(frames: list[bytes]) -> tuple[int, bytes]:
     if len(frames) == 3:
         return decode_seq(frames[1]), frames[2]
     raise KvEventDecodeError(f"replay reply of {len(frames)} frames")
-
-
-def encode_batch_legacy(ts: float, events: list[list], dp_rank: int | None = None) -> bytes:
-    """A legacy-encoded payload (test and simulation helper): `events` are already tagged arrays."""
-    body: list[Any] = [ts, events] if dp_rank is None else [ts, events, dp_rank]
-    return msgspec.msgpack.encode(body)

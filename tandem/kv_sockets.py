@@ -3,7 +3,7 @@ agent's relay and the conductor's direct mode. The wire itself is decoded by `ta
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import zmq
 import zmq.asyncio
@@ -15,7 +15,7 @@ END = -1  # sequence of the replay end marker
 
 async def live_batches(
     ctx: zmq.asyncio.Context, endpoint: str, topic: bytes = b""
-) -> AsyncIterator[tuple[int, bytes] | None]:
+) -> AsyncGenerator[tuple[int, bytes] | None]:
     """`(seq, payload)` of every batch the engine publishes (SUB, connected); None for a message that does not
     decode, so that the caller can count it. Runs until cancelled; the socket closes with the generator."""
     sub = ctx.socket(zmq.SUB)
@@ -37,7 +37,7 @@ async def live_batches(
 
 async def replay_batches(
     ctx: zmq.asyncio.Context, endpoint: str, from_seq: int, timeout_s: float
-) -> AsyncIterator[tuple[int, bytes]]:
+) -> AsyncGenerator[tuple[int, bytes]]:
     """`(seq, payload)` of an engine's replay socket from `from_seq` on, until its end marker (DEALER framing:
     send `["", seq]`, replies `["", seq, payload]` or `["", topic, seq, payload]`).
 

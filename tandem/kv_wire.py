@@ -3,11 +3,18 @@ to the conductor's Ingest: the one wire conversion both sides share (no gRPC her
 
 from __future__ import annotations
 
+from typing import cast
+
 from tandem.chain_hash import token_bytes
 from tandem.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium
-from tandem.v1 import conductor_pb2
+from tandem.v1 import common_pb2, conductor_pb2
 
 _MEDIA = {int(m): m for m in Medium}
+
+
+def _pb_medium(medium: Medium) -> common_pb2.Medium:
+    """`Medium`'s values equal `tandem.v1.Medium`'s: the conversion is `int()` (typed for the stubs)."""
+    return cast(common_pb2.Medium, int(medium))
 
 
 def _medium(value: int) -> Medium:
@@ -47,7 +54,7 @@ def event_to_pb(ev: KvEvent) -> conductor_pb2.KvEvent:
             block_hashes=ev.block_hashes,
             token_ids_le32=token_bytes(ev.token_ids),
             block_size=ev.block_size,
-            medium=int(ev.medium),
+            medium=_pb_medium(ev.medium),
             lora_name=ev.lora_name or "",
         )
         if ev.parent_block_hash is not None:
@@ -57,7 +64,9 @@ def event_to_pb(ev: KvEvent) -> conductor_pb2.KvEvent:
         return conductor_pb2.KvEvent(block_stored=stored)
     if isinstance(ev, BlockRemoved):
         return conductor_pb2.KvEvent(
-            block_removed=conductor_pb2.BlockRemoved(block_hashes=ev.block_hashes, medium=int(ev.medium))
+            block_removed=conductor_pb2.BlockRemoved(
+                block_hashes=ev.block_hashes, medium=_pb_medium(ev.medium)
+            )
         )
     return conductor_pb2.KvEvent(all_blocks_cleared=conductor_pb2.AllBlocksCleared())
 

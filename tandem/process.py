@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from tandem.config_file import ConfigError
 from tandem.logs import setup_logging
@@ -12,7 +12,9 @@ from tandem.logs import setup_logging
 C = TypeVar("C")
 
 
-def run_component(component: str, load: Callable[[], C], main: Callable[[C], Awaitable[None]]) -> int:
+def run_component(
+    component: str, load: Callable[[], C], main: Callable[[C], Coroutine[Any, Any, None]]
+) -> int:
     """Runs `main(load())` on uvloop; a config error (at load or start) exits 2 with one line."""
     setup_logging(component)
     try:

@@ -13,7 +13,10 @@ import os
 import re
 from collections.abc import Sequence
 from itertools import chain
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 __all__ = [
     "Tokenizer",
@@ -197,7 +200,7 @@ class BuiltinTokenizer:
                         ids = found[i] = self._encode_piece(pieces[i])
                         if len(cache) < 200_000:
                             cache[pieces[i]] = ids
-            out.extend(chain.from_iterable(found))
+            out.extend(chain.from_iterable(cast("list[tuple[int, ...]]", found)))  # every None filled above
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -246,7 +249,7 @@ class HFTokenizer:
         self.eos_token_id = eos_id if eos_id is not None else 0
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._cache: dict[str, list[int]] = {}
-        self._jinja = None
+        self._jinja: Template | None = None
         self._word_ids: list[int] | None = None
 
     def encode(self, text: str) -> list[int]:

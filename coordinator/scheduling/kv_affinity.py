@@ -90,6 +90,7 @@ class KvAffinity:
         pool = list(candidates)
         if p.load_gate_topn and len(pool) > p.load_gate_topn:
             pool = sorted(pool, key=lambda c: (c.load_tokens, c.instance_id))[: p.load_gate_topn]
+        keys: dict[str, tuple[float, ...]]
         if p.mode == "load":
             keys = {c.instance_id: (float(c.load_tokens), c.inflight) for c in pool}
         elif p.mode == "prefix":

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bench.fleet.instance import EngineSpec, LazyBlockPool
-from bench.fleet.sim import FleetConfig, simulate
+from bench.fleet.sim import Fleet, FleetConfig, simulate
 from bench.fleet.workload import HASH_STRIDE, PromptSource, arrivals
-from bench.trace import find_trace
 from simengine.block_pool import BlockPool
 from simengine.events import EventSink
 from tandem.tokenizer import load_tokenizer
@@ -42,10 +41,32 @@ def test_same_seed_same_figures(policy, word_ids):
 
 
 def test_shared_prefixes_hit_and_ledger_drains(word_ids):
-    fleet_result = _run("kv_affinity", word_ids, instances=1)
+    cfg = FleetConfig(
+        instances=1, policy="kv_affinity", engine=EngineSpec(npu_blocks=512), load_interval_s=0.5
+    )
+    fleet = Fleet(cfg)
+    commitments, in_flight = [], []
+    commit = fleet.ledger.commit
+    fleet.ledger.commit = lambda *args: commitments.append(commit(*args)) or commitments[-1]
+    fleet_result = fleet.run(
+        arrivals(ROWS, 1.0, seed=3),
+        PromptSource(word_ids, seed=3),
+        progress=lambda _: in_flight.append(fleet.ledger.total_requests),
+    )
     # Rows 2 and 4 reuse 2 and 3 leading 512-token blocks of earlier prompts on the only instance.
     assert fleet_result.hits >= (2 + 3) * 512
     assert 0 < fleet_result.hit_rate < 1
+    # One commitment per request: its output, and its prompt less the prefix the index found cached there.
+    assert [c.decode_tokens for c in commitments] == [r["output_length"] for r in ROWS]
+    prefill = [c.prefill_tokens for c in commitments]
+    assert prefill[0] == ROWS[0]["input_length"]
+    # Row 4 extends row 2's prompt (hash ids 0, 1, 3): all of row 2's full 16-token engine blocks are cached.
+    bs = cfg.engine.block_size
+    assert prefill[3] == ROWS[3]["input_length"] - ROWS[1]["input_length"] // bs * bs
+    assert all(0 < p <= r["input_length"] for p, r in zip(prefill, ROWS, strict=True))
+    # Requests overlapped in the ledger, each finished one was released, and the ledger drained to zero.
+    assert max(in_flight) > 0 and in_flight[-1] == 0 and all(c.released for c in commitments)
+    assert fleet.ledger.total_tokens == 0 and fleet.ledger.requests("sim-0") == 0
 
 
 def test_copies_are_disjoint_and_keep_copy_zero(word_ids):
@@ -75,7 +96,3 @@ def test_lazy_pool_allocates_in_the_order_of_the_eager_pool():
     order = [[b.block_id for b in pool.get_new_blocks(4)] for pool in (eager, lazy)]
     assert order[0] == order[1] == [4, 5, 1, 0]
     assert eager.usage() == lazy.usage() == 1.0
-
-
-def test_trace_files_present():
-    assert find_trace("conversation").exists()

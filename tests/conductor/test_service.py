@@ -5,79 +5,44 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conductor.app import SERVICE_NAME, Conductor
 from conductor.config import ConductorConfig
 from conductor.metrics import register
-from tandem.grpc_server import GrpcApp
+from mesh.certs import ensure_certs
+from mesh.config import parse_mesh_config
+from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from tests.helpers import block_stored, free_ports, ingest_batch
 
-BS = 4
-PROMPT = list(range(500, 532))  # 8 blocks
-
-
-def stored(hashes, parent, tokens, medium=common_pb2.MEDIUM_NPU):
-    s = conductor_pb2.BlockStored(block_hashes=hashes, token_ids=tokens, block_size=BS, medium=medium)
-    if parent is not None:
-        s.parent_block_hash = parent
-    return conductor_pb2.KvEvent(block_stored=s)
+PROMPT = list(range(500, 532))  # 8 blocks of 4 tokens
 
 
-def batch(inst, seq, events, rank=0):
-    b = conductor_pb2.KvEventBatch(
-        instance_id=inst, dp_rank=rank, sequence=seq, model="m", block_size=BS, events=events
-    )
-    b.engine_time.GetCurrentTime()
-    return conductor_pb2.IngestRequest(batch=b)
-
-
-@pytest.fixture
-async def server():
-    os.environ["TANDEM_NO_BANNER"] = "1"
-    conductor = Conductor(ConductorConfig(replay_timeout_s=30))
-    app = GrpcApp("conductor", listen="127.0.0.1:0")
-    app.add_service(SERVICE_NAME, lambda s, srv: conductor.add_to(srv), conductor.service)
-    await app.start()
-    await conductor.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.bound_port}")
-    yield conductor, conductor_pb2_grpc.ConductorStub(channel), channel
-    await channel.close()
-    await conductor.stop()
-    await app.server.stop(0)
-
-
-async def wait_stats(stub, pred, timeout=5.0):
-    async def poll():
-        while True:
-            s = await stub.GetIndexStats(conductor_pb2.GetIndexStatsRequest())
-            if pred(s):
-                return s
-            await asyncio.sleep(0.02)
-
-    return await asyncio.wait_for(poll(), timeout)
-
-
-async def test_ingest_match_stats_end_to_end(server):
-    conductor, stub, channel = server
-    health = await health_pb2_grpc.HealthStub(channel).Check(
+async def test_ingest_match_stats_end_to_end(conductor_server):
+    stub, wait_stats = conductor_server.stub, conductor_server.wait_stats
+    health = await health_pb2_grpc.HealthStub(conductor_server.channel).Check(
         health_pb2.HealthCheckRequest(service=SERVICE_NAME)
     )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
     ingest = stub.Ingest()
-    await ingest.write(batch("a", 0, [stored([1, 2, 3, 4], None, PROMPT[:16])]))
+    await ingest.write(ingest_batch("a", 0, [block_stored([1, 2, 3, 4], None, PROMPT[:16])]))
     await ingest.write(
-        batch("a", 1, [stored([1, 2], None, [], common_pb2.MEDIUM_CPU), stored([5, 6], 4, PROMPT[16:24])])
+        ingest_batch(
+            "a",
+            1,
+            [block_stored([1, 2], None, [], common_pb2.MEDIUM_CPU), block_stored([5, 6], 4, PROMPT[16:24])],
+        )
     )
-    await ingest.write(batch("b", 7, [stored([9, 8], None, PROMPT[:8], common_pb2.MEDIUM_DISK)], rank=1))
-    s = await wait_stats(stub, lambda s: s.events_total == 4)
+    await ingest.write(
+        ingest_batch("b", 7, [block_stored([9, 8], None, PROMPT[:8], common_pb2.MEDIUM_DISK)], rank=1)
+    )
+    s = await wait_stats(lambda s: s.events_total == 4)
     assert (s.instances, s.npu_blocks, s.cpu_blocks, s.disk_blocks) == (2, 6, 2, 2)
 
     match = stub.Match()
@@ -100,17 +65,17 @@ async def test_ingest_match_stats_end_to_end(server):
     assert r3.request_id == "r3" and not r3.instances
 
     # a gap on a: the conductor asks this agent stream for a replay; the agent cannot recover it
-    await ingest.write(batch("a", 3, [stored([77], None, PROMPT[:4])]))
+    await ingest.write(ingest_batch("a", 3, [block_stored([77], None, PROMPT[:4])]))
     reply = await asyncio.wait_for(ingest.read(), 5)
     assert reply.replay == conductor_pb2.ReplayRequest(instance_id="a", dp_rank=0, from_sequence=2)
     await ingest.write(
         conductor_pb2.IngestRequest(replay_done=conductor_pb2.ReplayDone(instance_id="a", recovered=False))
     )
-    s = await wait_stats(stub, lambda s: s.clears == 1)
+    s = await wait_stats(lambda s: s.clears == 1)
     assert (s.gaps, s.replays, s.npu_blocks) == (1, 1, 1)  # cleared, then the held live batch applied
 
     await ingest.write(conductor_pb2.IngestRequest(instance_gone=conductor_pb2.InstanceGone(instance_id="b")))
-    await wait_stats(stub, lambda s: s.instances == 1)
+    await wait_stats(lambda s: s.instances == 1)
     await match.write(
         conductor_pb2.MatchRequest(request_id="r4", model="m", block_hashes=[], token_ids=PROMPT)
     )
@@ -120,19 +85,19 @@ async def test_ingest_match_stats_end_to_end(server):
     await ingest.done_writing()
 
 
-async def test_agent_stream_ending_mid_replay_clears_that_rank(server):
-    conductor, stub, _ = server
+async def test_agent_stream_ending_mid_replay_clears_that_rank(conductor_server):
+    stub = conductor_server.stub
     ingest = stub.Ingest()
-    bad = batch("z", 0, [stored([1], None, PROMPT[:4])])
+    bad = ingest_batch("z", 0, [block_stored([1], None, PROMPT[:4])])
     bad.batch.block_size = 0  # rejected, counted, the stream carries on
     await ingest.write(bad)
-    await ingest.write(batch("a", 0, [stored([1, 2], None, PROMPT[:8])]))
-    await ingest.write(batch("a", 5, []))
+    await ingest.write(ingest_batch("a", 0, [block_stored([1, 2], None, PROMPT[:8])]))
+    await ingest.write(ingest_batch("a", 5, []))
     assert (await ingest.read()).replay.from_sequence == 1
     await ingest.done_writing()
-    s = await wait_stats(stub, lambda s: s.clears == 1)
+    s = await conductor_server.wait_stats(lambda s: s.clears == 1)
     assert s.npu_blocks == 0 and s.instances == 0
-    assert conductor.service.rejected_batches == 1
+    assert conductor_server.conductor.service.rejected_batches == 1
 
 
 def test_metrics_collector_exposes_figures():
@@ -144,12 +109,6 @@ def test_metrics_collector_exposes_figures():
     text = generate_latest(registry).decode()
     assert 'tandem_conductor_blocks{medium="npu"} 0.0' in text
     assert "tandem_conductor_gaps_total 0.0" in text and "tandem_conductor_matches_total 0.0" in text
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_bad_configuration_exits_with_one_line(tmp_path):
@@ -173,15 +132,17 @@ def test_bad_configuration_exits_with_one_line(tmp_path):
     assert out.returncode == 2 and "max_entriez" in out.stderr
 
 
-async def test_process_serves_and_stops_on_sigterm():
-    port, mport = _free_port(), _free_port()
+async def test_process_serves_and_stops_on_sigterm(tmp_path):
+    port, mport = free_ports(2)
+    ensure_certs(tmp_path, parse_mesh_config({}))
     env = {**os.environ, "TANDEM_NO_BANNER": "1"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "mesh", "conductor", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
-        env=env, stderr=asyncio.subprocess.PIPE,
+        "--certs-dir", str(tmp_path), env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        operator = TlsFiles.for_role(tmp_path, "operator")
+        async with aio_channel(f"127.0.0.1:{port}", operator, "conductor") as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             stats = await stub.GetIndexStats(
                 conductor_pb2.GetIndexStatsRequest(), wait_for_ready=True, timeout=20

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from coordinator.attempts import AttemptRegistry, AttemptState, PrefillLegFailed, UnknownAttempt, callback_ids
+from tests.helpers import eventually
 
 
 class Legs:
@@ -42,8 +43,8 @@ async def test_concurrent_duplicates_start_one_leg_and_all_succeed():
     attempt = registry.open("r", "completions", 1)
     cid = attempt.expected[0]
     calls = [asyncio.create_task(registry.callback(cid, {"n": i}, legs)) for i in range(3)]
-    await asyncio.sleep(0.01)
-    assert legs.started == 1 and attempt.state is AttemptState.PREFILLING
+    await eventually(lambda: legs.started == 1)  # the leg task runs after the three callbacks went through
+    assert attempt.state is AttemptState.PREFILLING
     legs.release.set()
     await asyncio.gather(*calls)
     assert legs.started == 1 and attempt.state is AttemptState.DONE
@@ -64,8 +65,8 @@ async def test_multi_prompt_waits_for_every_child_then_starts_once():
     legs.release.set()
     attempt = registry.open("r", "completions", 2)
     first = asyncio.create_task(registry.callback(attempt.expected[0], {"c": 0}, legs))
-    await asyncio.sleep(0.01)
-    assert legs.started == 0 and not first.done()
+    await eventually(lambda: attempt.expected[0] in attempt.facts)  # recorded; the leg would start right here
+    assert legs.started == 0 and not first.done() and attempt.state is AttemptState.WAITING
     await registry.callback(attempt.expected[1], {"c": 1}, legs)
     await first
     assert legs.started == 1 and set(attempt.facts) == set(attempt.expected)
@@ -86,10 +87,9 @@ async def test_closing_cancels_the_leg_in_flight_and_fails_waiters():
     registry, legs = AttemptRegistry(), Legs()
     attempt = registry.open("r", "completions", 1)
     call = asyncio.create_task(registry.callback(attempt.expected[0], {}, legs))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: legs.started == 1)
     assert registry.close(attempt) is True and registry.close(attempt) is False
-    await asyncio.sleep(0.01)
-    assert legs.cancelled == 1
+    await eventually(lambda: legs.cancelled == 1)
     with pytest.raises(PrefillLegFailed):
         await call
     with pytest.raises(UnknownAttempt):
@@ -101,7 +101,7 @@ async def test_failed_leg_fails_every_waiting_callback():
     registry, legs = AttemptRegistry(), Legs(fail=True)
     attempt = registry.open("r", "completions", 1)
     calls = [asyncio.create_task(registry.callback(attempt.expected[0], {}, legs)) for _ in range(2)]
-    await asyncio.sleep(0.01)
+    await eventually(lambda: legs.started == 1)  # after both callbacks went through
     legs.release.set()
     results = await asyncio.gather(*calls, return_exceptions=True)
     assert all(isinstance(r, PrefillLegFailed) and "500" in str(r) for r in results)

@@ -2,13 +2,14 @@
 
 import asyncio
 import logging
+import os
 
 import pytest
 import yaml
 
-from coordinator.config_watch import watch_config
+from coordinator.config_watch import ConfigWatch, watch_config
 from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
-from tests.coordinator.test_picker import make_picker
+from tests.helpers import eventually, make_picker
 
 
 def scheduler(**section):
@@ -71,26 +72,87 @@ def test_bad_scheduler_config_fails_naming_the_key(section, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-async def test_scheduler_reloads_when_the_file_changes(tmp_path, caplog):
+def policy_file(path, policy: str) -> None:
+    path.write_text(yaml.safe_dump({"coordinator": {"scheduler": {"policy": policy}}}))
+
+
+@pytest.fixture
+def watched(tmp_path):
+    """A mesh file running `least_load`, its picker, and the watch that reloads the file into them."""
     path = tmp_path / "mesh.yaml"
-    path.write_text(yaml.safe_dump({"coordinator": {"scheduler": {"policy": "least_load"}}}))
+    policy_file(path, "least_load")
     running = load_mesh_config(path)
     picker = make_picker()
-    watcher = asyncio.create_task(watch_config(running, load_mesh_config, picker, None, interval_s=0.02))
+    return path, running, picker, ConfigWatch(running, load_mesh_config, picker, None)
+
+
+def test_scheduler_reloads_when_the_content_changes_and_a_bad_file_keeps_it(watched, caplog):
+    path, running, picker, watch = watched
+    assert watch.poll() is False  # the file the mesh started with: nothing to apply
+    policy_file(path, "kv_affinity")
+    assert watch.poll() is True and watch.poll() is False  # applied once, then unchanged
+    assert picker.policy.name == "kv_affinity" and running.coordinator.scheduler.policy == "kv_affinity"
+    with caplog.at_level(logging.ERROR):
+        path.write_text("coordinator: {scheduler: {policy: nope}}\n")
+        assert watch.poll() is False
+    assert "reload failed" in caplog.text and "unknown scheduling policy 'nope'" in caplog.records[-1].error
+    assert picker.policy.name == "kv_affinity"  # a bad file keeps the running scheduler
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("", "empty"),
+        ("   \n", "empty"),
+        ("# being written\n", "empty"),  # an empty YAML document, not an empty mesh
+        ("coordinator: {scheduler: {policy: dyn", "not YAML"),
+        ("\t- [", "not YAML"),
+    ],
+)
+def test_empty_or_unparsable_file_is_skipped_with_a_warning(watched, caplog, content, problem):
+    path, running, picker, watch = watched
+    policy_file(path, "kv_affinity")
+    watch.poll()
+    with caplog.at_level(logging.WARNING):
+        path.write_text(content)
+        assert watch.poll() is False
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "keeping the running scheduler" in record.getMessage()
+    assert record.problem.startswith(problem)
+    assert picker.policy.name == "kv_affinity" and running.coordinator.scheduler.policy == "kv_affinity"
+    policy_file(path, "round_robin")  # the editor finishes writing
+    assert watch.poll() is True and picker.policy.name == "round_robin"
+
+
+def test_a_rewrite_within_one_mtime_tick_is_still_seen(watched):
+    """`cp` truncates then writes: the watch may read the empty file, and the full one has the same mtime."""
+    path, running, picker, watch = watched
+    watch.poll()
+    path.write_text("")
+    stamp = path.stat().st_mtime_ns
+    assert watch.poll() is False  # caught empty
+    policy_file(path, "kv_affinity")
+    os.utime(path, ns=(stamp, stamp))  # same modification time as the empty file
+    assert watch.poll() is True and picker.policy.name == "kv_affinity"
+
+
+def test_missing_file_keeps_the_scheduler(watched, caplog):
+    path, running, picker, watch = watched
+    watch.poll()
+    path.unlink()  # an editor that replaces the file by renaming
+    with caplog.at_level(logging.WARNING):
+        assert watch.poll() is False
+    assert caplog.records[-1].problem.startswith("cannot read") and picker.policy.name == "least_load"
+    policy_file(path, "dynamo")
+    assert watch.poll() is True and picker.policy.name == "dynamo"
+
+
+async def test_watch_task_polls_the_file(watched):
+    path, running, picker, _ = watched
+    task = asyncio.create_task(watch_config(running, load_mesh_config, picker, None, interval_s=0.01))
     try:
-        await asyncio.sleep(0.05)  # the watcher has read the file's first modification time
-        path.write_text(yaml.safe_dump({"coordinator": {"scheduler": {"policy": "kv_affinity"}}}))
-        for _ in range(200):
-            if picker.policy.name == "kv_affinity":
-                break
-            await asyncio.sleep(0.01)
-        assert picker.policy.name == "kv_affinity" and running.coordinator.scheduler.policy == "kv_affinity"
-        with caplog.at_level(logging.ERROR):
-            path.write_text("coordinator: {scheduler: {policy: nope}}\n")
-            for _ in range(200):
-                if any("reload failed" in r.getMessage() for r in caplog.records):
-                    break
-                await asyncio.sleep(0.01)
-        assert picker.policy.name == "kv_affinity"  # a bad file keeps the running scheduler
+        policy_file(path, "kv_affinity")
+        await eventually(lambda: picker.policy.name == "kv_affinity", 5, "the reload")
+        assert running.coordinator.scheduler.policy == "kv_affinity"
     finally:
-        watcher.cancel()
+        task.cancel()

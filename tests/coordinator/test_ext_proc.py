@@ -9,7 +9,7 @@ from coordinator.attempts import AttemptRegistry
 from coordinator.ext_proc import DESTINATION_HEADER, ExternalProcessor
 from coordinator.handoff import HandoffRunner
 from coordinator.trigger import TriggerCoordinator
-from tests.coordinator.test_picker import make_picker
+from tests.helpers import make_picker, pd_picker
 
 URL = "http://127.0.0.1:9000/v1/metaserver/c0"
 
@@ -111,8 +111,6 @@ async def test_client_gone_during_prefill_leg_releases_everything():
 
     from aiohttp import web
 
-    from tests.coordinator.test_handoff import pd_picker
-
     started, done = asyncio.Event(), asyncio.Event()
 
     async def slow(request):
@@ -133,7 +131,7 @@ async def test_client_gone_during_prefill_leg_releases_everything():
     async def requests():
         yield headers("/v1/completions")
         yield body({"model": "m", "prompt": "hello", "stream": True})
-        await asyncio.sleep(60)
+        await asyncio.Event().wait()  # the client keeps the stream open until Envoy cancels it
 
     async def consume():
         async for _ in processor.Process(requests(), None):

@@ -5,13 +5,11 @@ import json
 import pytest
 from aiohttp import web
 
-from coordinator.config import CoordinatorConfig
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner, decode_body, prefill_body
-from coordinator.instances import InstanceInfo, InstanceTable
-from coordinator.picker import HANDOFF, EndpointPicker, TokenizerCache
-from coordinator.workload import WorkloadLedger
-from tandem.tokenizer import load_tokenizer
+from coordinator.instances import InstanceInfo
+from coordinator.picker import HANDOFF
+from tests.helpers import pd_picker
 
 PARAMS = {
     "do_remote_prefill": True,
@@ -71,17 +69,6 @@ async def servers():
     yield runners
     for r in runners:
         await r.cleanup()
-
-
-def pd_picker(prefill_addresses: list[str], connector: str = "NixlConnector") -> EndpointPicker:
-    table = InstanceTable(["m"])
-    table.register(InstanceInfo("d0", "m", "127.0.0.1:1", "decode", "handoff", kv_connector=connector))
-    for i, address in enumerate(prefill_addresses):
-        table.register(InstanceInfo(f"p{i}", "m", address, "prefill", "handoff", kv_connector=connector))
-    config = CoordinatorConfig(scheduler={"policy": "round_robin"})
-    return EndpointPicker(
-        config, table, WorkloadLedger(), config.scheduler.build(), TokenizerCache({}, load_tokenizer)
-    )
 
 
 async def test_failed_prefill_is_retried_on_another_instance(servers):

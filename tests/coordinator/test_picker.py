@@ -2,21 +2,10 @@ import json
 
 import pytest
 
-from coordinator.config import CoordinatorConfig, SchedulerConfig
 from coordinator.errors import OpenAIError
-from coordinator.instances import Health, InstanceInfo, InstanceTable
-from coordinator.picker import EndpointPicker, TokenizerCache
-from coordinator.workload import WorkloadLedger
+from coordinator.instances import Health
 from tandem.tokenizer import load_tokenizer
-
-
-def make_picker(policy: str = "least_load", instances: int = 2, matcher=None) -> EndpointPicker:
-    table = InstanceTable(["m"])
-    for i in range(instances):
-        table.register(InstanceInfo(f"i{i}", "m", f"127.0.0.1:{8100 + i}", "hybrid", "aggregated"))
-    config = CoordinatorConfig(scheduler=SchedulerConfig(policy=policy))
-    tokenizers = TokenizerCache({}, load_tokenizer)
-    return EndpointPicker(config, table, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher)
+from tests.helpers import make_picker
 
 
 def body(**fields) -> bytes:

@@ -1,4 +1,5 @@
-"""The coordinator's gRPC surface on loopback: Registry, Admin, Metaserver errors as gRPC callers see them."""
+"""The coordinator's gRPC surface: Registry calls without a server (grpcio-testing); Registry streams, Admin and
+Metaserver errors on loopback as gRPC callers see them."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import grpc
 import pytest
 import yaml
 
-from bench.harness import mesh_config
 from coordinator.app import build
+from coordinator.config import CoordinatorConfig
+from coordinator.instances import InstanceTable
+from coordinator.services import RegistryService
 from mesh.config import parse_mesh_config
 from tandem.v1 import (
     admin_pb2,
@@ -18,6 +21,9 @@ from tandem.v1 import (
     registry_pb2,
     registry_pb2_grpc,
 )
+from tests.helpers import ServicerCalls, mesh_config
+
+REGISTRY = registry_pb2.DESCRIPTOR.services_by_name["Registry"]
 
 
 @pytest.fixture
@@ -82,12 +88,23 @@ async def test_register_heartbeat_list_drain(channel):
         ),
     ],
 )
-async def test_bad_registration_is_invalid_argument(channel, fields, message):
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await registry_pb2_grpc.RegistryStub(channel).Register(
-            registry_pb2.RegisterRequest(instance=instance(**fields))
-        )
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+def test_bad_registration_is_invalid_argument_and_registers_nothing(fields, message):
+    table = InstanceTable(["tandem-sim"])
+    call = ServicerCalls(REGISTRY, RegistryService(table, CoordinatorConfig()))
+    reply, code, details = call("Register", registry_pb2.RegisterRequest(instance=instance(**fields)))
+    assert reply is None and code == grpc.StatusCode.INVALID_ARGUMENT and message in details
+    assert table.all() == []
+
+
+def test_registration_round_trip_without_a_server():
+    table = InstanceTable(["tandem-sim"])
+    call = ServicerCalls(REGISTRY, RegistryService(table, CoordinatorConfig(heartbeat_interval_s=0.25)))
+    reply, code, _ = call("Register", registry_pb2.RegisterRequest(instance=instance(address="127.0.0.1:7")))
+    assert code == grpc.StatusCode.OK and reply.heartbeat_interval.ToMilliseconds() == 250
+    assert [(s.info.instance_id, s.info.address) for s in table.all()] == [("i0", "127.0.0.1:7")]
+    gone = registry_pb2.DeregisterRequest(instance_id="i0", reason="test")
+    assert call("Deregister", gone)[0].found and not call("Deregister", gone)[0].found
+    assert table.all() == []
 
 
 async def test_admin_errors_and_config(channel):

@@ -11,10 +11,8 @@ import subprocess
 import httpx
 import pytest
 
-from bench.harness import mesh_config
 from tandem.tokenizer import load_tokenizer
-from tests.e2e.mesh import RunningMesh, metric_sum, processes_mentioning
-from tests.e2e.test_mesh import GRPCURL
+from tests.helpers import GRPCURL, RunningMesh, mesh_config, metric_sum, processes_mentioning
 
 SHARED = "You are a careful assistant. " + " ".join(f"rule{i} applies" for i in range(120))
 

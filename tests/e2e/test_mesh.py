@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from bench.harness import mesh_config
 from tandem.v1 import admin_pb2, node_agent_pb2
-from tests.e2e.mesh import RunningMesh, metric_sum, processes_mentioning
-
-GRPCURL = shutil.which(
-    "grpcurl", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+from tests.helpers import (
+    GRPCURL,
+    RunningMesh,
+    mesh_config,
+    metric_sum,
+    pid_alive,
+    processes_mentioning,
+    wait_until,
 )
+
 CHAT = {
     "model": "tandem-sim",
     "messages": [{"role": "user", "content": "Tell me about Envoy."}],
@@ -210,11 +210,5 @@ def test_ctrl_c_leaves_no_process_behind(mesh):
     component_pids = processes_mentioning(str(mesh.config_path)) + processes_mentioning(str(mesh.run_dir))
     assert len(engine_pids) == 2 and len(component_pids) >= 4
     assert mesh.stop() == 0
-    time.sleep(0.5)
-    alive = [
-        p
-        for p in engine_pids + component_pids
-        if Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()
-    ]
-    assert alive == [], alive
+    wait_until(lambda: not any(map(pid_alive, engine_pids + component_pids)), 10, "every process to exit")
     assert "tandem up: stopped" in mesh.output.read_text()

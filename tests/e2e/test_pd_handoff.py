@@ -7,8 +7,7 @@ import json
 import httpx
 import pytest
 
-from bench.harness import mesh_config
-from tests.e2e.mesh import RunningMesh, metric_sum
+from tests.helpers import RunningMesh, mesh_config, metric_sum
 
 PROMPT = " ".join(f"word{i}" for i in range(150))  # several full 16-token blocks
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from mesh.config import load_mesh_config
 from node_agent.launch import Placement, build_launch
+from tests.helpers import ROOT
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = ROOT / "examples"
 
 
 def test_ascend_pd_example():

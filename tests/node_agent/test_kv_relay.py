@@ -4,78 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 
-import grpc
 import pytest
 import zmq.asyncio
 
-from conductor.app import Conductor
 from conductor.config import ConductorConfig
 from conductor.match import match
 from node_agent.kv_relay import KvEventRelay
 from tests.conductor.fake_engine import FakeEngine, removed, stored  # one copy of the wire format
+from tests.helpers import ConductorServer, eventually
 
 BS = 4
 PROMPT = list(range(300, 332))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ConductorServer:
-    """A real conductor gRPC server on a fixed loopback port, restartable on the same port."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.conductor: Conductor | None = None
-        self.server: grpc.aio.Server | None = None
-
-    async def start(self) -> Conductor:
-        self.conductor = Conductor(ConductorConfig(replay_timeout_s=10))
-        self.server = grpc.aio.server()
-        self.conductor.add_to(self.server)
-        assert self.server.add_insecure_port(f"127.0.0.1:{self.port}") == self.port
-        await self.server.start()
-        await self.conductor.start()
-        return self.conductor
-
-    async def stop(self) -> None:
-        await self.server.stop(0)
-        await self.conductor.stop()
-
-    def hits(self):
-        res = match(self.conductor.index, "m", token_ids=PROMPT)
-        return {
-            h.instance_id: [(r.dp_rank, r.npu_blocks, r.cpu_blocks, r.disk_blocks) for r in h.ranks]
-            for h in res.instances
-        }
-
-
-async def until(pred, timeout=10.0):
-    async def poll():
-        while not pred():
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(poll(), timeout)
+def hits(server: ConductorServer):
+    res = match(server.conductor.index, "m", token_ids=PROMPT)
+    return {
+        h.instance_id: [(r.dp_rank, r.npu_blocks, r.cpu_blocks, r.disk_blocks) for r in h.ranks]
+        for h in res.instances
+    }
 
 
 @pytest.fixture
 async def env():
-    os.environ["TANDEM_NO_BANNER"] = "1"
     ctx = zmq.asyncio.Context()
     engine = FakeEngine(ctx, topic=b"")
-    server = ConductorServer(_free_port())
+    server = ConductorServer(ConductorConfig(replay_timeout_s=10))
     await server.start()
-    relay = KvEventRelay(f"127.0.0.1:{server.port}", "node-1", backoff_initial_s=0.05, backoff_max_s=0.3)
+    relay = KvEventRelay(server.address, "node-1", backoff_initial_s=0.05, backoff_max_s=0.3)
     relay.add_source("inst-1", "m", BS, 1, engine.endpoint, engine.replay_endpoint)
     task = asyncio.create_task(relay.run())
     await engine.wait_subscriber()
-    await until(relay.connected.is_set)
+    await eventually(relay.connected.is_set)
     yield engine, server, relay
     await relay.close()
     task.cancel()
@@ -93,60 +54,60 @@ def events(server):
 
 async def test_relays_live_events_of_both_encodings_then_instance_gone(env):
     engine, server, relay = env
-    await until(lambda: engine.replay_requests == [0])  # the replay every new stream starts with
+    await eventually(lambda: engine.replay_requests == [0])  # the replay every new stream starts with
     engine.publish([stored([1, 2], None, PROMPT[:8], BS, "GPU", legacy=True)], dp_rank=1)
     engine.publish([stored([3], 2, PROMPT[8:12], BS, "cpu", legacy=False)], map_outer=True)
-    await until(lambda: events(server) == 2)
-    assert server.hits() == {"inst-1": [(1, 2, 1, 0)]}
+    await eventually(lambda: events(server) == 2)
+    assert hits(server) == {"inst-1": [(1, 2, 1, 0)]}
     relay.remove_source("inst-1")
-    await until(lambda: not server.conductor.index.holders)
-    assert server.hits() == {}
+    await eventually(lambda: not server.conductor.index.holders)
+    assert hits(server) == {}
 
 
 async def test_gap_is_replayed_through_the_agent(env):
     engine, server, relay = env
-    await until(lambda: engine.replay_requests == [0])
+    await eventually(lambda: engine.replay_requests == [0])
     engine.publish([stored([1, 2], None, PROMPT[:8], BS)])
-    await until(lambda: events(server) == 1)
+    await eventually(lambda: events(server) == 1)
     engine.publish([stored([3, 4], 2, PROMPT[8:16], BS, "STORAGE")], drop=True)  # lost on the way
     engine.publish([removed([1])])
-    await until(lambda: server.conductor.core.tracker.counters.recovered == 1)
+    await eventually(lambda: server.conductor.core.tracker.counters.recovered == 1)
     assert engine.replay_requests == [0, 1]
     engine.publish([stored([1], None, PROMPT[:4], BS, "CPU")])
-    await until(lambda: events(server) == 4)
-    assert server.hits() == {"inst-1": [(1, 1, 1, 2)]}
+    await eventually(lambda: events(server) == 4)
+    assert hits(server) == {"inst-1": [(1, 1, 1, 2)]}
     assert server.conductor.core.tracker.counters.clears == 0
 
 
 async def test_unrecoverable_gap_clears_the_rank(env):
     engine, server, relay = env
-    await until(lambda: engine.replay_requests == [0])
+    await eventually(lambda: engine.replay_requests == [0])
     engine.publish([stored([1, 2], None, PROMPT[:8], BS)])
-    await until(lambda: events(server) == 1)
+    await eventually(lambda: events(server) == 1)
     engine.publish([removed([2])], drop=True)
     engine.forget_before(2)
     engine.publish([stored([7], None, PROMPT[:4], BS, "cpu")])
-    await until(lambda: server.conductor.core.tracker.counters.clears == 1)
-    await until(lambda: events(server) >= 2)
-    assert server.hits() == {"inst-1": [(1, 0, 1, 0)]}
+    await eventually(lambda: server.conductor.core.tracker.counters.clears == 1)
+    await eventually(lambda: events(server) >= 2)
+    assert hits(server) == {"inst-1": [(1, 0, 1, 0)]}
 
 
 async def test_restarted_conductor_rebuilds_from_replay(env):
     engine, server, relay = env
-    await until(lambda: engine.replay_requests == [0])
+    await eventually(lambda: engine.replay_requests == [0])
     engine.publish([stored([1, 2], None, PROMPT[:8], BS)])
     engine.publish([stored([3, 4], 2, PROMPT[8:16], BS, "CPU")])
-    await until(lambda: events(server) == 2)
+    await eventually(lambda: events(server) == 2)
     await server.stop()  # the conductor dies; the engine keeps running and publishing
-    await until(lambda: not relay.connected.is_set())
+    await eventually(lambda: not relay.connected.is_set())
     engine.publish([removed([4], "CPU")])
-    await server.start()  # a new, empty conductor on the same address
-    await until(lambda: relay.connects == 2)
-    await until(lambda: events(server) == 3)
-    assert server.hits() == {"inst-1": [(1, 2, 1, 0)]}
+    await server.start()  # a new, empty conductor on the same port
+    await eventually(lambda: relay.connects == 2)
+    await eventually(lambda: events(server) == 3)
+    assert hits(server) == {"inst-1": [(1, 2, 1, 0)]}
     assert engine.replay_requests[-1] == 0
     engine.publish([stored([5], None, PROMPT[:4], BS, "STORAGE")])  # live events flow again
-    await until(lambda: events(server) == 4)
+    await eventually(lambda: events(server) == 4)
     assert server.conductor.core.tracker.counters.gaps == 0
 
 
@@ -167,9 +128,9 @@ async def test_source_added_late_gets_what_it_published_before_subscribing(env):
         late.publish([stored([3], 2, PROMPT[8:12], BS, "CPU")])
         relay.add_source("inst-2", "m", BS, 0, late.endpoint, late.replay_endpoint)
         await late.wait_subscriber()
-        await until(lambda: server.hits().get("inst-2") == [(0, 2, 1, 0)])
+        await eventually(lambda: hits(server).get("inst-2") == [(0, 2, 1, 0)])
         late.publish([removed([3], "CPU")])
-        await until(lambda: server.hits().get("inst-2") == [(0, 2, 0, 0)])
+        await eventually(lambda: hits(server).get("inst-2") == [(0, 2, 0, 0)])
         assert late.replay_requests == [0]
     finally:
         await late.close()
@@ -178,10 +139,10 @@ async def test_source_added_late_gets_what_it_published_before_subscribing(env):
 
 async def test_malformed_batch_is_skipped_and_the_rank_cleared(env):
     engine, server, relay = env
-    await until(lambda: engine.replay_requests == [0])
+    await eventually(lambda: engine.replay_requests == [0])
     engine.publish([stored([1, 2], None, PROMPT[:8], BS)])
     engine.publish([stored([3], 2, [2**40] * BS, BS)])  # a token id that is no uint32
     engine.publish([stored([5], None, PROMPT[:4], BS, "CPU")])
-    await until(lambda: server.conductor.core.tracker.counters.clears == 1)
-    await until(lambda: server.hits() == {"inst-1": [(1, 0, 1, 0)]})
+    await eventually(lambda: server.conductor.core.tracker.counters.clears == 1)
+    await eventually(lambda: hits(server) == {"inst-1": [(1, 0, 1, 0)]})
     assert relay.decode_errors >= 1

@@ -8,19 +8,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
-from bench.harness import free_ports
 from node_agent.app import NodeAgent
 from node_agent.config import NodeAgentConfig, RestartPolicy
 from node_agent.launch import LaunchSpec
 from node_agent.service import NodeAgentService
 from node_agent.supervisor import EngineState, EngineSupervisor, backoff_delay
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2, registry_pb2_grpc
+from tests.helpers import eventually, free_ports, wait_until
 
 
 class FakeRegistry(registry_pb2_grpc.RegistryServicer):
@@ -58,14 +58,6 @@ async def registry():
     await server.stop(0)
 
 
-async def wait_for(predicate, timeout: float = 30, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 def test_backoff_doubles_up_to_the_cap():
     policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=3)
     assert [backoff_delay(policy, n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
@@ -86,7 +78,7 @@ async def test_crash_loop_backs_off_and_gives_up_reported_in_status(tmp_path):
         None, LaunchSpec("crashy", crash), policy, str(tmp_path / "c.log"), 0.1, 1, changed
     )
     sup.start()
-    await wait_for(lambda: sup.state is EngineState.FAILED, 20, "FAILED")
+    await eventually(lambda: sup.state is EngineState.FAILED, 20, "FAILED")
     backoffs = [(detail, t) for state, detail, t in seen if state is EngineState.BACKOFF]
     assert [d for d, _ in backoffs] == [
         "exited with code 3, restart in 0.1s",
@@ -131,14 +123,14 @@ async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_pa
     try:
         async with httpx.AsyncClient(timeout=10) as http:
             for round_ in range(2):
-                await wait_for(lambda: sup.state is EngineState.RUNNING, 30, f"running (round {round_})")
+                await eventually(lambda: sup.state is EngineState.RUNNING, 30, f"running (round {round_})")
                 for _ in range(2):  # the second request makes simengine exit(1)
                     with contextlib.suppress(httpx.HTTPError):
                         await http.post(
                             f"{sup.base_url}/v1/completions", json={"model": "tandem-sim", "prompt": "hi"}
                         )
-                await wait_for(lambda: sup.state is not EngineState.RUNNING, 10, "crash noticed")
-        await wait_for(lambda: sup.state is EngineState.FAILED, 20, "FAILED after the limit")
+                await eventually(lambda: sup.state is not EngineState.RUNNING, 10, "crash noticed")
+        await eventually(lambda: sup.state is EngineState.FAILED, 20, "FAILED after the limit")
         assert sup.restarts == 1 and sup.last_exit_code == 1
         assert registry.events[:3] == [("register", "sim-0"), ("deregister", "sim-0"), ("register", "sim-0")]
         assert registry.events[-1] == ("deregister", "sim-0")
@@ -156,7 +148,7 @@ async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, regist
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        await wait_for(lambda: ("register", "sim-0") in registry.events, 30, "registration")
+        await eventually(lambda: ("register", "sim-0") in registry.events, 30, "registration")
         instance = registry.instances["sim-0"]
         assert (
             instance.dispatch_capability == 1
@@ -171,13 +163,13 @@ async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, regist
                 "ignore_eos": True,
             }
             request = asyncio.create_task(http.post(f"{sup.base_url}/v1/completions", json=body))
-            await wait_for(lambda: sup.in_flight > 0 or request.done(), 10, "request in flight")
+            await eventually(lambda: sup.in_flight > 0 or request.done(), 10, "request in flight")
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = node_agent_pb2_grpc.NodeAgentStub(channel)
                 drain = asyncio.ensure_future(
                     stub.Drain(node_agent_pb2.DrainRequest(instance_id="sim-0"), timeout=60)
                 )
-                await wait_for(lambda: ("deregister", "sim-0") in registry.events, 5, "deregistration")
+                await eventually(lambda: ("deregister", "sim-0") in registry.events, 5, "deregistration")
                 assert sup.state is EngineState.DRAINING and not request.done()
                 reply = await drain
             answer = await request
@@ -197,11 +189,11 @@ async def test_drain_timeout_stops_anyway(tmp_path, registry):
     sup = agent.supervisors["sim-0"]
     await agent.start()
     try:
-        await wait_for(lambda: sup.state is EngineState.RUNNING, 30, "running")
+        await eventually(lambda: sup.state is EngineState.RUNNING, 30, "running")
         async with httpx.AsyncClient(timeout=60) as http:
             body = {"model": "tandem-sim", "prompt": "x", "max_tokens": 2000, "ignore_eos": True}
             request = asyncio.create_task(http.post(f"{sup.base_url}/v1/completions", json=body))
-            await wait_for(lambda: sup.in_flight > 0, 10, "request in flight")
+            await eventually(lambda: sup.in_flight > 0, 10, "request in flight")
             result = await sup.drain(config.engines[0].drain_timeout_s)
             with pytest.raises(httpx.HTTPError):
                 await request
@@ -238,8 +230,9 @@ async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
     try:
         sup = agent.supervisors["store-kv_store"]
         assert sup.state is EngineState.RUNNING and sup.healthy and not sup.registrable
-        await asyncio.sleep(0.5)
-        assert registry.events == []  # nothing registered
+        # Registration happens in the RUNNING transition (awaited before start returned) or in the link's
+        # reconcile loop, which only ever looks at the agent's registrable processes: there are none.
+        assert agent.link.supervisors() == [] and registry.events == []
     finally:
         await agent.stop()
     assert agent.supervisors["store-kv_store"].state is EngineState.STOPPED
@@ -278,21 +271,27 @@ open({str(pidfile)!r}, "w").write(str(child.pid))
 time.sleep(60)
 """
     agent = subprocess.Popen([sys.executable, "-c", parent], cwd=os.getcwd())
-    deadline = time.monotonic() + 10
-    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child = int(pidfile.read_text())
-    time.sleep(0.5)  # the wrapper has armed the signal and exec'd
-    assert "time.sleep(60)" in open(f"/proc/{child}/cmdline").read().replace("\0", " ")
+    child = int(wait_until(lambda: pidfile.exists() and pidfile.read_text(), 10, "the child's pid"))
+
+    def cmdline() -> str:
+        with contextlib.suppress(OSError):
+            return Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        return ""
+
+    # The wrapper arms the signal, then execs the engine in place: same pid, the engine's command line.
+    wait_until(lambda: "pdeathsig" not in cmdline() and "time.sleep(60)" in cmdline(), 10, "the exec")
     agent.send_signal(signal.SIGKILL)
     agent.wait()
-    deadline = time.monotonic() + 5
-    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+
+    def gone() -> bool:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(child, os.WNOHANG)
-        time.sleep(0.05)
-    status = open(f"/proc/{child}/status").read() if os.path.exists(f"/proc/{child}") else ""
-    assert not status or "zombie" in status
+        try:
+            return "zombie" in Path(f"/proc/{child}/status").read_text()
+        except OSError:
+            return True
+
+    wait_until(gone, 5, "the engine to die with the agent")
 
 
 def test_load_from_vllm_metrics_text():

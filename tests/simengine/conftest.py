@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import ROOT, free_port, wait_until
 
 
 class EngineProc:
@@ -34,17 +25,16 @@ class EngineProc:
             self.wait_ready()
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited: {self.proc.stderr.read().decode()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=0.5) as r:
-                    if r.status == 200:
-                        return
+                    return r.status == 200
             except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("engine did not become healthy")
+                return False
+
+        wait_until(healthy, timeout, "the engine's /health")
 
     def post(
         self, path: str, body: dict, headers: dict | None = None, timeout: float = 20.0

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from tests.simengine.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_health_ping_models_version(engine):

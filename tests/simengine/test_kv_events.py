@@ -5,6 +5,8 @@ import time
 import msgspec
 import zmq
 
+from tests.helpers import free_port, wait_until
+
 END = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -42,11 +44,14 @@ def decode_batch(payload: bytes):
 
 
 class Subscriber:
-    def __init__(self, endpoint: str, topic: bytes = b""):
+    def __init__(self, endpoint: str, topic: bytes = b"", bind: bool = False):
         self.ctx = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sub.connect(endpoint)
+        if bind:
+            self.sub.bind(endpoint)
+        else:
+            self.sub.connect(endpoint)
         self.seqs: list[int] = []
         self.events: list[dict] = []
         self.ranks: set = set()
@@ -63,6 +68,26 @@ class Subscriber:
             if until(self.events):
                 return True
         return False
+
+    def join(self, engine, timeout=10.0):
+        """Waits out ZMQ's slow joiner (a new SUB misses what is published before its subscription reaches the
+        PUB, or before a connecting PUB joins): posts throwaway prompts until their events arrive; returns those
+        events and forgets them."""
+        probes = iter(range(1000))
+
+        def received() -> bool:
+            n = next(probes)
+            engine.post(
+                "/v1/completions", {"prompt": [2000 + 40 * n + k for k in range(40)], "max_tokens": 1}
+            )
+            return self.poll(bool, timeout=0.5)
+
+        wait_until(received, timeout, "the subscription to reach the engine", interval=0)
+        events = list(self.events)
+        self.seqs.clear()
+        self.events.clear()
+        self.ranks.clear()
+        return events
 
     def close(self):
         self.sub.close(linger=0)
@@ -102,7 +127,7 @@ def test_events_replay_and_end_marker(engines, tmp_path):
         "--speedup", "1000", "--kv-events-config", msgspec.json.encode(cfg).decode(), "--block-size", "16"
     )
     sub = Subscriber(cfg["endpoint"])
-    time.sleep(0.2)  # slow joiner
+    sub.join(e)
     prompt = list(range(300, 340))
     e.post("/v1/completions", {"prompt": prompt, "max_tokens": 1})
     assert sub.poll(lambda evs: any(x["type"] == "BlockStored" for x in evs))
@@ -126,7 +151,7 @@ def test_eviction_and_offload_media(engines, tmp_path):
     e = engines("--speedup", "1000", "--kv-events-config", msgspec.json.encode(cfg).decode(), "--block-size", "16",
                 "--npu-blocks", "8", "--cpu-blocks", "4", "--disk-blocks", "16", "--offload")  # fmt: skip
     sub = Subscriber(cfg["endpoint"])
-    time.sleep(0.2)
+    sub.join(e)
     for i in range(4):
         e.post("/v1/completions", {"prompt": [100 + i * 50 + k for k in range(64)], "max_tokens": 1})
 
@@ -162,7 +187,7 @@ def test_legacy_format_and_dp_rank_offset(engines, tmp_path):
                 "--kv-events-legacy-format", "--data-parallel-rank", "2")  # fmt: skip
     pub, rep = cfg["endpoint"], cfg["replay_endpoint"]  # ipc paths are used as given (one process per rank)
     sub = Subscriber(pub)
-    time.sleep(0.2)
+    sub.join(e)
     e.post("/v1/completions", {"prompt": list(range(300, 340)), "max_tokens": 1})
     assert sub.poll(lambda evs: any(x["type"] == "BlockStored" for x in evs))
     raw = msgspec.msgpack.decode(replay_raw(rep))
@@ -195,22 +220,9 @@ def test_event_gap_fault(engines, tmp_path):
 
 def test_explicit_tcp_host_connects_to_a_binding_subscriber(engines):
     """vLLM's heuristic: an explicit host means connect (the subscriber binds); `*`, `::`, ipc bind."""
-    from tests.simengine.conftest import free_port
-
-    port = free_port()
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.bind(f"tcp://127.0.0.1:{port}")
-    cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sub = Subscriber(endpoint, bind=True)
+    cfg = {"enable_kv_cache_events": True, "endpoint": endpoint}
     e = engines("--speedup", "1000", "--kv-events-config", msgspec.json.encode(cfg).decode())
-    types: set = set()
-    deadline = time.time() + 8
-    i = 0
-    while "BlockStored" not in types and time.time() < deadline:  # a connecting PUB needs a moment to join
-        e.post("/v1/completions", {"prompt": [300 + 50 * i + k for k in range(40)], "max_tokens": 1})
-        i += 1
-        while sub.poll(300):
-            _, _, payload = sub.recv_multipart()
-            types |= {ev["type"] for ev in decode_batch(payload)[1]}
-    sub.close(linger=0)
-    assert "BlockStored" in types
+    assert "BlockStored" in {ev["type"] for ev in sub.join(e)}
+    sub.close()

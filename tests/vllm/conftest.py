@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.harness import mesh_config
-from tests.e2e.mesh import RunningMesh
+from tests.helpers import RunningMesh, mesh_config
 
 VLLM_PYTHON = os.environ.get("TANDEM_VLLM_PYTHON", "")
 MODEL = os.environ.get("TANDEM_TINY_MODEL", "")

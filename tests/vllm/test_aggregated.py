@@ -10,7 +10,7 @@ import pytest
 
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc, node_agent_pb2
-from tests.e2e.mesh import metric_sum
+from tests.helpers import metric_sum
 from tests.vllm.conftest import MODEL, MODEL_NAME, real_mesh, start
 
 SHARED = "You are a careful assistant for platform engineers. " + " ".join(

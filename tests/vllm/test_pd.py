@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.mesh import metric_sum
+from tests.helpers import metric_sum
 from tests.vllm.conftest import MODEL_NAME, real_mesh, start
 
 PROMPT = "Disaggregated serving moves the prompt's KV cache from prefill to decode. " * 6

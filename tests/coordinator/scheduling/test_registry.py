@@ -1,7 +1,10 @@
+import re
+
 import pytest
 
 from coordinator.scheduling import create_policy, policy_types
 from coordinator.scheduling.registry import register
+from tests.helpers import ROOT
 
 
 def test_builtins_are_registered_once():
@@ -15,6 +18,12 @@ def test_builtins_are_registered_once():
     ]
     with pytest.raises(ValueError, match="registered twice"):
         register("least_load", lambda raw: None)
+
+
+def test_default_config_lists_every_policy():
+    text = (ROOT / "configs" / "default.yaml").read_text()
+    comment = re.search(r"^\s*# (.*)\n\s*policy:", text, re.M).group(1)
+    assert set(re.findall(r"[a-z_]+", comment)) >= set(policy_types())
 
 
 def test_unknown_policy_names_known_ones():
