@@ -21,6 +21,8 @@ from tandem.netaddr import split_host_port
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
 #: The header Envoy's ORIGINAL_DST cluster reads the engine's `host:port` from; only the coordinator sets it.
 DESTINATION_HEADER = "x-tandem-destination"
+#: The request header the coordinator sets to the client's X-Request-Id (coordinator/request_ids.py), echoed back.
+CLIENT_ID_HEADER = "x-tandem-client-request-id"
 #: The header that picks a node agent on the gRPC listener.
 NODE_HEADER = "tandem-node"
 #: Bodies are buffered for the coordinator's decision: the longest prompt a client may send (the coordinator's gRPC
@@ -116,6 +118,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         coordinator_services=COORDINATOR_SERVICES,
         identity_prefix=tandem_tls.PREFIX,
         listener_header=tandem_tls.LISTENER_HEADER,
+        client_id_header=CLIENT_ID_HEADER,
         local_replies=_local_replies(),
         limits={
             "max_connections": envoy.max_connections,
