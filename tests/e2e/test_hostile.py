@@ -68,7 +68,13 @@ def auth(key: str = API_KEY) -> dict:
 
 def complete(mesh, payload: dict | None = None, headers: dict | None = None, **kw) -> httpx.Response:
     body = {"model": "tandem-sim", "prompt": PROMPT, "max_tokens": 4} | (payload or {})
-    return httpx.post(mesh.http + "/v1/completions", json=body, headers=auth() if headers is None else headers, timeout=60, **kw)
+    return httpx.post(
+        mesh.http + "/v1/completions",
+        json=body,
+        headers=auth() if headers is None else headers,
+        timeout=60,
+        **kw,
+    )
 
 
 def error_of(reply: httpx.Response) -> dict:
