@@ -30,6 +30,9 @@ class RequestLimits(BaseModel):
     """Most chat messages in one request."""
     max_json_depth: int = Field(default=32, gt=0)
     """Deepest nesting of objects and arrays in a body."""
+    max_chars_per_token: int = Field(default=16, gt=0)
+    """With a model's `max_model_len`, a prompt longer than this many characters per token of context is refused
+    before it is tokenized (tokenizing megabytes would hold the coordinator for seconds)."""
 
 
 def parse_json(raw: bytes) -> Any:
@@ -89,6 +92,42 @@ def check_body(api: str, body: dict[str, Any], limits: RequestLimits) -> None:
                 f"{len(prompt)} prompts; at most {limits.max_prompts} are allowed in one request.",
                 "prompt",
             )
+
+
+def prompt_chars(api: str, body: dict[str, Any]) -> int:
+    """The size of the prompt text (characters; token ids count one each), without tokenizing."""
+    if api == "chat.completions":
+        total = 0
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) if isinstance(p, str | list) else 1 for p in prompt)
+    return 0
+
+
+def check_prompt_size(
+    api: str, body: dict[str, Any], max_model_len: int | None, limits: RequestLimits, model: str
+) -> None:
+    """Refuses (400) a prompt far beyond the model's context before tokenizing it."""
+    if not max_model_len:
+        return
+    chars = prompt_chars(api, body)
+    if chars > max_model_len * limits.max_chars_per_token:
+        param = "messages" if api == "chat.completions" else "prompt"
+        raise OpenAIError(
+            400,
+            f"The prompt ({chars} characters) cannot fit the {max_model_len} tokens `{model}` takes "
+            "(max_model_len).",
+            param,
+        )
 
 
 def check_context(

@@ -21,7 +21,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
-from coordinator.limits import check_body, check_context
+from coordinator.limits import check_body, check_context, check_prompt_size
 from coordinator.openai_request import OpenAIRequest, model_of, parse_body, understand
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts, create_policy
 from coordinator.workload import Commitment, WorkloadLedger
@@ -127,6 +127,7 @@ class EndpointPicker:
             raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
         chat = api == "chat.completions"
         default_max = self.config.chat_default_max_tokens if chat else self.config.default_max_tokens
+        check_prompt_size(api, body, self.max_model_len.get(model), self.config.limits, model)
         request = understand(api, body, self.tokenizers.get(model), default_max)
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         check_context(request.prompts, asked, self.max_model_len.get(model), model)

@@ -8,7 +8,14 @@ from coordinator.api_keys import ApiKeys, parse_keys
 from coordinator.attempts import AttemptRegistry
 from coordinator.callback_checks import block_count, callback_problem, host_allowed, mint_token
 from coordinator.errors import OpenAIError
-from coordinator.limits import RequestLimits, check_body, check_context, json_depth
+from coordinator.limits import (
+    RequestLimits,
+    check_body,
+    check_context,
+    check_prompt_size,
+    json_depth,
+    prompt_chars,
+)
 from coordinator.openai_request import parse_body
 from coordinator.ownership import ownership_problem
 from coordinator.redact import REDACTED, redact
@@ -242,3 +249,14 @@ async def test_trigger_refuses_a_callback_without_the_attempts_token():
     trigger.registry.close(attempt)
     picker.release(decision.target)
     await runner.close()
+
+
+def test_prompts_far_beyond_the_context_are_refused_before_tokenizing():
+    limits = RequestLimits(max_chars_per_token=4)
+    assert prompt_chars("completions", {"prompt": ["ab", "c", [1, 2]]}) == 5
+    chat = {"messages": [{"role": "user", "content": "abc"}, {"content": [{"type": "text", "text": "de"}]}]}
+    assert prompt_chars("chat.completions", chat) == 5
+    check_prompt_size("completions", {"prompt": "x" * 400}, 100, limits, "m")
+    check_prompt_size("completions", {"prompt": "x" * 10**6}, None, limits, "m")  # no context known
+    with pytest.raises(OpenAIError, match="max_model_len"):
+        check_prompt_size("completions", {"prompt": "x" * 401}, 100, limits, "m")

@@ -333,6 +333,14 @@ def test_oversize_body_is_413_in_openai_shape(mesh):
     assert error_of(reply)["type"] == "RequestEntityTooLargeError" and "32 MiB" in error_of(reply)["message"]
 
 
+def test_a_body_under_envoys_limit_reaches_the_coordinator(mesh):
+    """Bodies between gRPC's default 4 MiB and Envoy's 32 MiB buffer cross the ext_proc stream (the coordinator's
+    message limit follows Envoy's): this one is judged on its content (too long for the model), not cut."""
+    reply = complete(mesh, {"prompt": "word " * (1024 * 1024)})  # 5 MiB
+    assert reply.status_code == 400, reply.text
+    assert "max_model_len" in error_of(reply)["message"]
+
+
 @pytest.mark.parametrize(
     ("payload", "param"),
     [
@@ -394,3 +402,27 @@ def test_the_mesh_still_serves_and_holds_nothing(mesh):
         metric_sum(mesh.config["coordinator"]["metrics_listen"], "tandem_coordinator_inflight_requests") == 0
     )
     assert {e.state for e in mesh.engines().values()} == {node_agent_pb2.ENGINE_STATE_RUNNING}
+
+
+def test_insecure_mode_is_explicit_and_announced(tmp_path):
+    """Plain text only when the mesh file says `security.insecure: true`, and then the banner says so."""
+    config = mesh_config(engines=1)
+    config["security"] = {"insecure": True}
+    running = RunningMesh(config, tmp_path)
+    running.start()
+    try:
+        assert "INSECURE" in running.output.read_text()
+        assert not (running.run_dir / "certs").exists()
+        reply = httpx.post(
+            running.http + "/v1/completions",
+            json={"model": "tandem-sim", "prompt": "hi", "max_tokens": 2},
+            timeout=30,
+        )
+        assert reply.status_code == 200
+        with grpc.insecure_channel(running.grpc_address) as channel:
+            listed = admin_pb2_grpc.AdminStub(channel).ListInstances(
+                admin_pb2.ListInstancesRequest(), timeout=5
+            )
+        assert [i.instance.instance_id for i in listed.instances] == ["sim-0"]
+    finally:
+        assert running.stop() == 0
