@@ -9,6 +9,7 @@ docs/security.md has the table of these cases and their answers.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import socket
 import ssl
 
@@ -290,6 +291,104 @@ def test_forged_callbacks_are_refused(mesh):
             )
         )
     assert code == grpc.StatusCode.PERMISSION_DENIED
+
+
+class FakeDecodeEngine:
+    """A decode engine the test controls: it records each request and answers only when told, so forged callbacks
+    can race a real request attempt while it waits for its prefill."""
+
+    def __init__(self) -> None:
+        import http.server
+        import queue
+        import threading
+
+        self.requests: queue.Queue = queue.Queue()
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.put((dict(self.headers), body))
+                outer.release.wait(30)
+                answer = json.dumps(
+                    {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}]}
+                )
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer.encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+
+def test_forged_callbacks_racing_a_real_attempt_are_refused(mesh):
+    """The attack of the issue: while a real request waits for its decode engine's callback, forged callbacks for
+    that very attempt (its real callback id) try to aim the prefill engine elsewhere. Only the decode engine got the
+    token; a callback without it, or naming another host, or more blocks than the prompt fills, is refused."""
+    import threading
+
+    agent = extra_identity(mesh, "agent/n1")
+    fake = FakeDecodeEngine()
+    stop = threading.Event()
+    coordinator = tls.channel(mesh.config["coordinator"]["listen"], agent, "coordinator")
+    registry = registry_pb2_grpc.RegistryStub(coordinator)
+    fake_instance = instance("decode-fake", "n1", fake.port)
+    fake_instance.block_size = 16
+    registry.Register(registry_pb2.RegisterRequest(instance=fake_instance), timeout=5)
+
+    def beats():
+        while not stop.wait(0.2):
+            yield registry_pb2.HeartbeatRequest(instance_id="decode-fake", health=common_pb2.HEALTH_HEALTHY)
+
+    heartbeat = threading.Thread(target=lambda: list(registry.Heartbeat(beats())), daemon=True)
+    heartbeat.start()
+    admin = mesh.admin()
+    admin.DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="decode-0"), timeout=5)
+    refused = "tandem_coordinator_metaserver_callbacks_total"
+    before = mesh.coordinator_metric(refused, outcome="refused")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            client = pool.submit(complete, mesh, None, {**auth(), "X-Request-Id": "victim"})
+            headers, body = fake.requests.get(timeout=30)
+            url = body["kv_transfer_params"]["metaserver"]
+            engine_id = {k.lower(): v for k, v in headers.items()}["x-request-id"]
+            assert engine_id.startswith("tdm-") and "victim" not in engine_id  # minted, not the client's
+            token = url.rsplit("/", 1)[1]
+            real = {"request_id": f"cmpl-{engine_id}-0", "remote_host": "127.0.0.1", "remote_port": 7777,
+                    "remote_block_ids": [[1, 2]], "remote_block_size": [16]}  # fmt: skip
+            forged = [
+                (f"/v1/metaserver/c0/{token[:-2]}xx", real, "token"),
+                ("/v1/metaserver/c0", real, "token"),
+                (f"/v1/metaserver/c0/{token}", {**real, "remote_host": "10.9.9.9"}, "remote_host"),
+                (f"/v1/metaserver/c0/{token}", {**real, "remote_block_ids": [list(range(500))]}, "KV blocks"),
+            ]
+            for path, facts, reason in forged:
+                reply = callback(mesh, path, facts)
+                assert reply.status_code == 403, (path, reply.text)
+                assert reason in reply.json()["message"]
+            assert mesh.coordinator_metric(refused, outcome="refused") == before + len(forged)
+            fake.release.set()
+            assert client.result(timeout=30).status_code == 200
+    finally:
+        fake.close()
+        admin.UndrainInstance(admin_pb2.UndrainInstanceRequest(instance_id="decode-0"), timeout=5)
+        stop.set()
+        heartbeat.join(5)
+        registry.Deregister(registry_pb2.DeregisterRequest(instance_id="decode-fake"), timeout=5)
+        coordinator.close()
+    mesh.wait_for(lambda: mesh.stats().requests_inflight == 0, 10, "in-flight back to zero")
+    assert mesh.stats().workload_tokens == 0
 
 
 def test_racing_duplicate_request_ids_are_harmless(mesh):
