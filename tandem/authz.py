@@ -89,6 +89,8 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, rules: Rules) -> None:
         self.rules = {**BASE_RULES, **rules}
+        # method -> (the service's handler, its guarded wrapper): built once per method, not per call.
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -98,13 +100,21 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        return _guarded(handler, handler_call_details.method, self.rules)
+        method = handler_call_details.method
+        cached = self._guarded.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        guarded = _guarded(handler, method, self.rules)
+        self._guarded[method] = (handler, guarded)
+        return guarded
 
 
 def _guarded(handler: grpc.RpcMethodHandler, method: str, rules: Rules) -> grpc.RpcMethodHandler:
+    allowed = allowed_roles(rules, method)
+
     async def authorize(context: grpc.aio.ServicerContext) -> None:
-        role = tls.caller_role(context.auth_context(), context.invocation_metadata() or ())
-        if not is_allowed(rules, method, role):
+        role = tls.context_caller_role(context)
+        if role is None or not any(role_matches(p, role) for p in allowed):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refuse(method, role))
         tls.caller_var.set(role)
 

@@ -83,3 +83,26 @@ async def test_a_tls_port_checks_each_caller(tmp_path):
                 await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     finally:
         await app.server.stop(0)
+
+
+class FakeContext:
+    def __init__(self, identities, metadata=()):
+        self._identities, self._metadata = identities, metadata
+
+    def peer_identities(self):
+        return self._identities
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def auth_context(self):
+        return {"peer_uri": [b"spiffe://tandem/conductor"]}
+
+
+def test_caller_role_of_a_call():
+    assert tls.context_caller_role(FakeContext([b"spiffe://tandem/agent/n1", b"agent-n1.tandem"])) == "agent/n1"
+    xfcc = (tls.XFCC_HEADER, "By=spiffe://tandem/envoy;URI=spiffe://tandem/operator")
+    assert tls.context_caller_role(FakeContext([b"spiffe://tandem/envoy"], [xfcc])) == "operator"
+    assert tls.context_caller_role(FakeContext([b"spiffe://tandem/envoy"])) == "envoy"
+    assert tls.context_caller_role(FakeContext([b"other.example"])) is None
+    assert tls.context_caller_role(FakeContext(None)) == "conductor"  # no identities: the full auth context
