@@ -22,10 +22,10 @@ rounds at concurrency 32. Clients speak plain HTTP to the ingress in both; the d
 stream to the coordinator and the component links, encrypted and authorised per call (the authorization
 interceptor reads the peer's certificate identity on every gRPC call) in one and plain in the other. The CPU
 column is the figure to read: the machine is shared (load average ~10 on 2 cores while these were measured), so
-latency differences are mostly queueing behind that extra CPU. Three earlier runs the same afternoon gave +0.33,
-+0.27 and +0.08 s of CPU per 1k requests with mTLS (coordinator +0.05 to +0.22, Envoy +0.02 to +0.11) and +3 to
-+21 ms p50: mutual TLS costs on the order of 0.1-0.3 ms of CPU per request here, most of it in the coordinator's
-Python gRPC server.""",
+latency differences are mostly queueing behind that extra CPU. Five earlier runs the same afternoon gave +0.33,
++0.27, +0.08, +0.12 and (after the interceptor stopped rebuilding handlers per call) +0.08 s of CPU per 1k
+requests with mTLS (coordinator +0.05 to +0.22, Envoy +0.02 to +0.11) and +3 to +21 ms p50: mutual TLS costs on
+the order of 0.1-0.3 ms of CPU per request here, most of it in the coordinator's Python gRPC server.""",
     "overhead": """The same engines (`simengine --speedup 10`, 16 output tokens) reached directly (client-side
 round-robin), through Tandem (Envoy + ext_proc coordinator; `round_robin`, and `kv_affinity`, which also asks the
 conductor), and through `sglang-router` 0.3.2 and `vllm-router` 0.1.17 with round-robin and cache-aware policies,
