@@ -50,6 +50,8 @@ CONTROL_ACCESS = [
         ["/tandem.v1.Registry/", "/tandem.v1.Conductor/Ingest", "/grpc.health.v1.Health/"],
         ["agent/*"],
     ),
+    # A coordinator reaching conductor replicas through Envoy (Match sent to a healthy replica).
+    ("coordinators", ["/tandem.v1.Conductor/Match", "/grpc.health.v1.Health/"], ["coordinator"]),
 ]
 #: What the control listener routes to the coordinator (nothing else is routed there).
 COORDINATOR_SERVICES = [
