@@ -100,7 +100,9 @@ class FakeContext:
 
 
 def test_caller_role_of_a_call():
-    assert tls.context_caller_role(FakeContext([b"spiffe://tandem/agent/n1", b"agent-n1.tandem"])) == "agent/n1"
+    assert (
+        tls.context_caller_role(FakeContext([b"spiffe://tandem/agent/n1", b"agent-n1.tandem"])) == "agent/n1"
+    )
     xfcc = (tls.XFCC_HEADER, "By=spiffe://tandem/envoy;URI=spiffe://tandem/operator")
     assert tls.context_caller_role(FakeContext([b"spiffe://tandem/envoy"], [xfcc])) == "operator"
     assert tls.context_caller_role(FakeContext([b"spiffe://tandem/envoy"])) == "envoy"
