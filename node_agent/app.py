@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from prometheus_client import REGISTRY
@@ -21,9 +22,14 @@ from node_agent.systemd import SystemdNotify
 from tandem.config_file import ConfigError
 from tandem.grpc_server import GrpcApp
 from tandem.netaddr import split_host_port
+from tandem.tls import TlsFiles
 from tandem.v1 import node_agent_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+#: Who may call what on a node agent (`tandem.authz`; checked when the mesh runs with TLS): the operator only,
+#: directly or through Envoy's control listener.
+RULES = {"/tandem.v1.NodeAgent/": ("operator",)}
 
 
 class NodeAgent:
@@ -35,19 +41,23 @@ class NodeAgent:
         coordinator_address: str,
         conductor_address: str,
         placement: Placement | None = None,
+        tls: TlsFiles | None = None,
+        engine_env: dict[str, str] | None = None,
     ) -> None:
         self.config = config
         # The agent's port in the default keeps two meshes on one machine (same node id) from sharing sockets.
         port = split_host_port(config.listen)[1]
         self.runtime_dir = config.runtime_dir or f"/tmp/tandem-{config.node_id}-{port}"
         self.supervisors: dict[str, EngineSupervisor] = {}
-        self.link = CoordinatorLink(coordinator_address, config.node_id, self._engine_supervisors)
-        self.relay = KvEventRelay(conductor_address, config.node_id)
+        self.link = CoordinatorLink(coordinator_address, config.node_id, self._engine_supervisors, tls)
+        self.relay = KvEventRelay(conductor_address, config.node_id, tls=tls)
         self.services = build_services(config, self.runtime_dir, placement or Placement(), self._changed)
         for service in self.services:
             for sup in service.supervisors:
                 self.supervisors[sup.name] = sup
                 sup.on_load = self.link.load_reported
+                if engine_env and sup.engine is not None:  # e.g. the CA bundle for callbacks over HTTPS
+                    sup.spec = dataclasses.replace(sup.spec, env={**engine_env, **sup.spec.env})
         self._relayed: set[str] = set()
         self._tasks: list[asyncio.Task] = []
 
@@ -107,17 +117,22 @@ async def run(
     conductor_address: str,
     source: str,
     placement: Placement | None = None,
+    tls: TlsFiles | None = None,
+    engine_env: dict[str, str] | None = None,
 ) -> None:
-    """Serves one node until SIGTERM. The layer above resolves the addresses; `source` names the config file."""
+    """Serves one node until SIGTERM. The layer above resolves the addresses; `source` names the config file;
+    with `tls`, every connection is mutual TLS and the NodeAgent service answers the operator only."""
     try:
         placement = placement or Placement.from_env()
-        agent = NodeAgent(config, coordinator_address, conductor_address, placement)
+        agent = NodeAgent(config, coordinator_address, conductor_address, placement, tls, engine_env)
         agent.prepare()
     except (LaunchError, ServiceError) as exc:
         raise ConfigError(f"{source}: node_agents {config.node_id!r}: {exc}") from None
     notify = SystemdNotify()
     REGISTRY.register(AgentCollector(agent))
-    app = GrpcApp(f"node-agent {config.node_id}", config.listen, config.metrics_listen, grace=2.0)
+    app = GrpcApp(
+        f"node-agent {config.node_id}", config.listen, config.metrics_listen, grace=2.0, tls=tls, rules=RULES
+    )
     app.add_service(
         "tandem.v1.NodeAgent",
         node_agent_pb2_grpc.add_NodeAgentServicer_to_server,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mesh.certs import ensure_certs
 from mesh.config import load_mesh_config, parse_mesh_config
 from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config, write_envoy_config
 from mesh.up import envoy_binary
@@ -37,7 +38,9 @@ def test_golden_rendering():
 
 @pytest.mark.parametrize("mesh_file", MESH_FILES)
 def test_real_envoy_validates_every_shipped_mesh(mesh_file, tmp_path):
-    path = write_envoy_config(load_mesh_config(ROOT / mesh_file), DESCRIPTOR, tmp_path / "envoy.yaml")
+    mesh = load_mesh_config(ROOT / mesh_file)
+    ensure_certs(tmp_path / "certs", mesh)
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
@@ -46,8 +49,7 @@ def test_real_envoy_validates_every_shipped_mesh(mesh_file, tmp_path):
 
 def _ingress(mesh):
     config = build_envoy_config(mesh, DESCRIPTOR)
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm, config["static_resources"]["clusters"][0]
+    return hcm_of(config["static_resources"]["listeners"][0]), config["static_resources"]["clusters"][0]
 
 
 def test_aggregated_mesh_decides_with_ext_authz_and_never_forwards_unrouted_requests():
@@ -63,6 +65,23 @@ def test_aggregated_mesh_decides_with_ext_authz_and_never_forwards_unrouted_requ
     assert hcm["access_log"][0]["name"] == "envoy.access_loggers.http_grpc"  # how requests end
 
 
+def test_decision_calls_and_the_access_log_reach_the_coordinator_over_mutual_tls():
+    """ext_authz, ext_proc and the access log all use the `coordinator` cluster: Envoy presents its certificate and
+    accepts only the coordinator's (the coordinator allows these services to Envoy's identity only)."""
+    for raw in ({}, {"coordinator": {"pd_mode": "concurrent_engine_sync"}}):
+        mesh = parse_mesh_config(raw)
+        hcm, _ = _ingress(mesh)
+        services = [hcm["access_log"][0]["typed_config"]["common_config"]["grpc_service"]]
+        services.append(hcm["http_filters"][0]["typed_config"]["grpc_service"])
+        assert {s["envoy_grpc"]["cluster_name"] for s in services} == {"coordinator"}
+        clusters = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["clusters"]
+        coordinator = next(c for c in clusters if c["name"] == "coordinator")
+        tls = coordinator["transport_socket"]["typed_config"]["common_tls_context"]
+        assert tls["tls_certificates"] and tls["validation_context"]["match_typed_subject_alt_names"] == [
+            {"san_type": "URI", "matcher": {"exact": "spiffe://tandem/coordinator"}}
+        ]
+
+
 def test_pd_mesh_decides_with_one_ext_proc_body_message(tmp_path):
     mesh = parse_mesh_config({"coordinator": {"pd_mode": "concurrent_engine_sync"}})
     assert mesh.decision_path == "ext_proc"
@@ -74,18 +93,41 @@ def test_pd_mesh_decides_with_one_ext_proc_body_message(tmp_path):
     assert mode["response_body_mode"] == "NONE"  # tokens never reach Python
     assert hcm["http_filters"][1]["name"] == "envoy.filters.http.buffer"  # routing waits for the decision
     assert engines["original_dst_lb_config"]["metadata_key"]["key"] == "tandem"
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    # The key check needs the Authorization header, which the body message carries as an attribute.
+    assert "request.headers['authorization']" in ext_proc["request_attributes"]
+    routed = [r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if "route" in r]
+    for route in routed:  # the engine gets the minted id, the client its own back
+        assert {h["header"]["key"] for h in route["request_headers_to_add"]} == {
+            "x-request-id",
+            "x-tandem-client-request-id",
+        }
+        assert route["response_headers_to_add"][0]["header"]["key"] == "x-request-id"
+        assert "request_headers_to_remove" not in route  # no API keys: an engine may have its own
+    keyed = parse_mesh_config({"coordinator": {"pd_mode": "concurrent_engine_sync", "api_keys_env": "KEYS"}})
+    keyed_routes = _ingress(keyed)[0]["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["request_headers_to_remove"] for r in keyed_routes if "route" in r] == [["authorization"]] * 2
+    ensure_certs(tmp_path / "certs", mesh)
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def hcm_of(listener: dict) -> dict:
+    """The HTTP connection manager of a listener."""
+    filters = listener["filter_chains"][0]["filters"]
+    return next(f for f in filters if f["name"].endswith("http_connection_manager"))["typed_config"]
+
+
 def test_ipv6_listeners(tmp_path):
-    mesh = parse_mesh_config({"envoy": {"http_listen": "[::1]:8000", "grpc_listen": "[::1]:9000"}})
+    mesh = parse_mesh_config(
+        {"envoy": {"http_listen": "[::1]:8000", "grpc_listen": "[::1]:9000", "callback_listen": "[::1]:9002"}}
+    )
+    ensure_certs(tmp_path / "certs", mesh)
     listeners = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"]
     assert listeners[0]["address"]["socket_address"] == {"address": "::1", "port_value": 8000}
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
