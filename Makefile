@@ -8,11 +8,13 @@ PROTOS := $(wildcard protos/tandem/v1/*.proto)
 STUBS_STAMP := tandem/v1/.generated
 DESCRIPTOR := build/tandem_descriptor.pb
 CONFIG ?= configs/default.yaml
+# Where `make run` (tandem up --run-dir run) keeps the mesh CA and component certificates; the run-* targets use them.
+CERTS ?= run/certs
 NODE ?=
 PYTEST := $(BIN)/python -m pytest -q
 PRODUCT := tandem mesh coordinator conductor node_agent simengine
 
-.PHONY: help setup protos run run-coordinator run-conductor run-agent run-envoy-config test test-unit test-e2e \
+.PHONY: help setup protos certs run run-coordinator run-conductor run-agent run-envoy-config test test-unit test-e2e \
 	test-vllm lint bench clean system-deps
 
 help: ## this list
@@ -38,17 +40,20 @@ $(STUBS_STAMP) $(DESCRIPTOR) &: $(PROTOS) tandem/protogen.py $(VENV)/.installed
 run: setup ## the whole mesh (`tandem up`) from CONFIG (default configs/default.yaml); Ctrl-C stops it
 	$(BIN)/tandem up --config $(CONFIG)
 
-run-coordinator: setup ## only the coordinator of CONFIG
-	$(BIN)/tandem coordinator --config $(CONFIG)
+certs: setup ## the mesh CA and one certificate per component of CONFIG in CERTS (kept when present)
+	$(BIN)/tandem certs --config $(CONFIG) --dir $(CERTS)
 
-run-conductor: setup ## only the conductor of CONFIG
-	$(BIN)/tandem conductor --config $(CONFIG)
+run-coordinator: certs ## only the coordinator of CONFIG
+	$(BIN)/tandem coordinator --config $(CONFIG) --certs-dir $(CERTS)
 
-run-agent: setup ## only the node agent NODE of CONFIG (and its engines)
-	$(BIN)/tandem agent --config $(CONFIG) $(if $(NODE),--node $(NODE))
+run-conductor: certs ## only the conductor of CONFIG
+	$(BIN)/tandem conductor --config $(CONFIG) --certs-dir $(CERTS)
+
+run-agent: certs ## only the node agent NODE of CONFIG (and its engines)
+	$(BIN)/tandem agent --config $(CONFIG) --certs-dir $(CERTS) $(if $(NODE),--node $(NODE))
 
 run-envoy-config: setup ## print the Envoy bootstrap rendered from envoy/envoy.yaml.j2 for CONFIG
-	$(BIN)/tandem envoy-config --config $(CONFIG)
+	$(BIN)/tandem envoy-config --config $(CONFIG) --certs-dir $(CERTS)
 
 # --- test -----------------------------------------------------------------------------------------------------
 test: setup ## unit and end-to-end tests (the README's test command; what CI runs)

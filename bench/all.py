@@ -39,6 +39,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "decision-stall.md",
     ),
     (
+        "mtls",
+        "Mutual TLS between components: cost per request",
+        ["bench.mtls", "--requests", "4000", "--rounds", "8", "--output", "{out}/mtls.md"],
+        "mtls.md",
+    ),
+    (
         "sweep",
         "Tuning kv_affinity in the fleet simulator",
         ["bench.fleet", "sweep", "--output-dir", "{out}"],

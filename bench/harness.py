@@ -32,13 +32,14 @@ def mesh_config(
     The node agent gets its own runtime directory: the default, `/tmp/tandem-<node_id>`, holds the engines' KV
     event IPC sockets and would be shared by every mesh on the machine with the same node id (meshes started one
     after another in one benchmark, or by tests running at the same time)."""
-    ports = free_ports(9 + engines)
+    ports = free_ports(10 + engines)
     addr = [f"127.0.0.1:{p}" for p in ports]
     return {
         "envoy": {
             "http_listen": addr[0],
             "grpc_listen": addr[1],
             "admin_listen": addr[2],
+            "callback_listen": f"127.0.0.1:{ports[9 + engines]}",
             "base_id": ports[0],
         },
         "coordinator": {

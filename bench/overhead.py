@@ -195,6 +195,9 @@ class Bench:
         self.workdir = Path(tempfile.mkdtemp(prefix="tandem-overhead-"))
         self.config = mesh_config(engines=args.engines, engine_args=["--speedup", str(args.speedup)])
         self.config["envoy"]["log_level"] = "error"
+        # Plain text between components, as for the peer routers and Tandem before: what mutual TLS costs is
+        # measured on its own (bench/mtls.py), and the decision-only registrars speak plain gRPC.
+        self.config["security"] = {"insecure": True}
         self.config_path = self.workdir / "mesh.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config))
         self.mesh = Mesh(
@@ -217,12 +220,13 @@ class Bench:
 
     def _ext_proc_envoy(self) -> tuple[str, int]:
         """A second Envoy in front of the same coordinator, deciding with ext_proc; its URL and pid."""
-        ports = free_ports(3)
+        ports = free_ports(4)
         data = yaml.safe_load(yaml.safe_dump(self.config))
         data["envoy"].update(
             http_listen=f"127.0.0.1:{ports[0]}",
             grpc_listen=f"127.0.0.1:{ports[1]}",
             admin_listen=f"127.0.0.1:{ports[2]}",
+            callback_listen=f"127.0.0.1:{ports[3]}",
             base_id=ports[0],
             decision="ext_proc",
         )

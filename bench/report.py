@@ -16,10 +16,22 @@ Left out: the `aiperf` cross-check of our load generator (`bench/replay.py`) is 
 routers' own P/D modes are not run."""
 
 _NOTES = {
+    "mtls": """What mutual TLS between components costs per request: two identical meshes (2 simulated engines
+each, `least_load`), one with certificates (the default) and one with `security.insecure: true`, taking turns in
+rounds at concurrency 32. Clients speak plain HTTP to the ingress in both; the difference is Envoy's ext_proc
+stream to the coordinator and the component links, encrypted and authorised per call (the authorization
+interceptor reads the peer's certificate identity on every gRPC call) in one and plain in the other. The CPU
+column is the figure to read: the machine is shared (load average ~10 on 2 cores while these were measured), so
+latency differences are mostly queueing behind that extra CPU. Five earlier runs the same afternoon gave +0.33,
++0.27, +0.08, +0.12 and (after the interceptor stopped rebuilding handlers per call) +0.08 s of CPU per 1k
+requests with mTLS (coordinator +0.05 to +0.22, Envoy +0.02 to +0.11) and +3 to +21 ms p50: mutual TLS costs on
+the order of 0.1-0.3 ms of CPU per request here, most of it in the coordinator's Python gRPC server.""",
     "overhead": """The same engines (`simengine --speedup 10`, 16 output tokens) reached directly (client-side
 round-robin), through Tandem, and through `sglang-router` 0.3.2 and `vllm-router` 0.1.17 with round-robin and
-cache-aware policies, both bound to 127.0.0.1 (Prometheus too). Tandem rows: the mesh as `tandem up` runs it (an
-aggregated mesh decides with one ext_authz Check per request, and learns request ends from Envoy's access log),
+cache-aware policies, both bound to 127.0.0.1 (Prometheus too). Tandem rows: the mesh as `tandem up` runs it, in
+plain text between components like the peers and "before" (`security.insecure: true`; what mutual TLS adds is
+measured on its own) (an aggregated mesh decides with one ext_authz Check per request, and learns request ends
+from Envoy's access log),
 `round_robin` and `kv_affinity` (which also asks the conductor); `tandem ext_proc`: the same coordinator behind a
 second Envoy deciding with one ext_proc body message each way (the path P/D meshes use); `tandem before`: the main
 branch's Envoy and coordinator (one ext_proc stream per request with headers and body, held open until the

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from coordinator import mesh_health, metrics
 from coordinator.access_log import AccessLogService
+from coordinator.api_keys import ApiKeys
 from coordinator.attempts import AttemptRegistry
 from coordinator.config import MeshView, SchedulerConfig
 from coordinator.config_watch import watch_config
@@ -34,6 +35,8 @@ from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
 from coordinator.workload import WorkloadLedger
 from tandem.grpc_server import GrpcApp
+from tandem.limits import MAX_GRPC_MESSAGE_BYTES
+from tandem.tls import CALLBACK_ROLE, TlsFiles
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import (  # noqa: F401 - conductor_pb2 and node_agent_pb2 put their descriptors in reflection's pool
     admin_pb2_grpc,
@@ -64,12 +67,33 @@ class Coordinator:
     pool: UnderstandPool | None
 
 
-def build(mesh: MeshView) -> Coordinator:
-    """The coordinator's gRPC app, ready to run."""
+#: Who may call what on the coordinator (`tandem.authz`; checked when the mesh runs with TLS).
+RULES = {
+    # Envoy's own calls only: a call Envoy proxies for someone else carries that caller's identity instead.
+    # The decision calls (ext_proc or ext_authz, whichever the mesh's Envoy runs) and the access log that ends
+    # each routed request's ticket.
+    f"/{EXT_PROC_SERVICE}/": ("envoy",),
+    f"/{EXT_AUTHZ_SERVICE}/": ("envoy",),
+    f"/{ACCESS_LOG_SERVICE}/": ("envoy",),
+    # Node agents; which instance ids each may touch is checked per request (RegistryService).
+    "/tandem.v1.Registry/": ("agent/*",),
+    "/tandem.v1.Admin/": ("operator",),
+    # Only through Envoy's callback listener; the per-attempt token in the URL is checked per request.
+    "/tandem.v1.Metaserver/": (CALLBACK_ROLE,),
+}
+
+
+def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
+    """The coordinator's gRPC app, ready to run (mutual TLS and authorization with `tls`)."""
     config = mesh.coordinator
     instances = InstanceTable(m.name for m in mesh.models)
     tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
-    matcher = ConductorMatcher(mesh.conductor_match_address, config.scheduler.match_timeout_ms / 1000)
+    matcher = ConductorMatcher(
+        mesh.conductor_match_address,
+        config.scheduler.match_timeout_ms / 1000,
+        tls=tls,
+        server_role=mesh.conductor_match_server,
+    )
     ledger = WorkloadLedger()
     predicted = PredictedCache(config.scheduler.predicted_cache_lifetime_ms / 1000)
     picker = EndpointPicker(
@@ -82,22 +106,31 @@ def build(mesh: MeshView) -> Coordinator:
         predicted,
         fallbacks=mesh.destination_fallback,
     )
+    picker.max_model_len = {m.name: m.max_model_len for m in mesh.models if m.max_model_len}
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
         tokenizers.get(model.name)
-    app = GrpcApp("coordinator", config.listen, config.metrics_listen)
+    # One decision call (ext_authz Check or ext_proc message) carries a whole buffered body: the gRPC limit
+    # follows Envoy's buffer limit.
+    options = [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ]
+    app = GrpcApp("coordinator", config.listen, config.metrics_listen, options=options, tls=tls, rules=RULES)
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
-    trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url)
+    trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url, config.callback_kv_hosts)
     tickets = TicketTable(picker.ledger, config.ticket_lifetime_s, config.reconcile_grace_s)
     pool = None
     if config.decision_processes:
         paths = {m.name: m.tokenizer for m in mesh.models}
         pool = UnderstandPool(config.decision_processes, paths, config)
         app.on_stop(_closer(pool.close))
-    decider = Decider(picker, handoff, trigger, tickets, pool, config.decision_inline_bytes)
+    api_keys = ApiKeys.load(config.api_keys_file, config.api_keys_env)
+    decider = Decider(picker, handoff, trigger, tickets, pool, config.decision_inline_bytes, api_keys)
     shared: SharedState = LocalState()
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
-    registry = RegistryService(instances, config, picker.ledger, shared)
+    registry = RegistryService(instances, config, picker.ledger, shared, tls_on=tls is not None)
     admin = AdminService(picker, decider.counters, mesh, shared)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s)
@@ -176,9 +209,11 @@ async def publish_scheduler(mesh: MeshView, shared: EtcdState, interval_s: float
             shared.scheduler_set(mesh.coordinator.scheduler.model_dump(mode="json"))
 
 
-async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -> None:
+async def run(
+    mesh: MeshView, reload: Callable[[str], MeshView] | None = None, tls: TlsFiles | None = None
+) -> None:
     """Serves until SIGTERM; `reload(path)` re-reads the mesh file when it changes (scheduler hot reload)."""
-    c = build(mesh)
+    c = build(mesh, tls)
     tasks: list[asyncio.Task] = []
 
     async def after_start() -> None:
@@ -196,7 +231,9 @@ async def run(mesh: MeshView, reload: Callable[[str], MeshView] | None = None) -
         if c.pool is not None:
             tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))
-        tasks.append(asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen)))
+        tasks.append(
+            asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen, tls=tls))
+        )
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
         if mesh.path and reload is not None:
             tasks.append(asyncio.create_task(watch_config(mesh, reload, c.picker, c.matcher)))

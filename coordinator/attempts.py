@@ -61,6 +61,7 @@ class Attempt:
     outcome: asyncio.Future | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     opened_at: float = field(default_factory=time.monotonic)  # when the decode request went out
+    token: str = ""  # in the callback URL: only the decode engine of this attempt knows it
 
     @property
     def engine_request_id(self) -> str:
@@ -90,6 +91,7 @@ class AttemptRegistry:
         older = self._newest.get(root_id)
         if older is not None:
             self.close(older)
+            self._numbers[root_id] = number  # closing the older one forgot the count: keep numbering up
         attempt = Attempt(root_id, number, api, [], context)
         attempt.expected = callback_ids(api, attempt.engine_request_id, prompts)
         for cid in attempt.expected:
@@ -121,7 +123,7 @@ class AttemptRegistry:
                 del self._by_callback[cid]
         if self._newest.get(attempt.root_id) is attempt:
             del self._newest[attempt.root_id]
-            del self._numbers[attempt.root_id]
+            self._numbers.pop(attempt.root_id, None)
         return True
 
     async def callback(

@@ -8,6 +8,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, policy_types
 from coordinator.scheduling.params import as_dict
 from tandem.netaddr import Address, is_wildcard, join_host_port, split_host_port
@@ -166,8 +167,8 @@ class CoordinatorConfig(BaseModel):
     """Shared state of the replicas (instances as leases, drain flags); without it the coordinator keeps its state
     in memory (one replica)."""
     metaserver_address: str | None = None
-    """`host:port` decode engines reach the metaserver at (Envoy's gRPC listener, which transcodes the callback);
-    `envoy.grpc_listen` when unset. Never a wildcard; bracket IPv6 literals."""
+    """`host:port` decode engines reach the metaserver at (Envoy's callback listener, which transcodes the
+    callback); `envoy.callback_listen` when unset. Never a wildcard; bracket IPv6 literals."""
     prefill_attempts: int = Field(default=2, ge=1)
     """Prefill instances tried for one request in handoff mode before answering 503."""
     prefill_timeout_s: float = Field(default=120.0, gt=0)
@@ -185,6 +186,16 @@ class CoordinatorConfig(BaseModel):
     that one huge prompt does not stall the decisions of others."""
     decision_processes: int = Field(default=1, ge=0)
     """Worker processes parsing and tokenizing large bodies (0: every body on the event loop)."""
+    limits: RequestLimits = RequestLimits()
+    """The largest request accepted (`max_tokens`, `n`, prompts, JSON depth); larger is answered 400."""
+    callback_kv_hosts: list[str] = []
+    """Trigger mode: addresses or networks (CIDR) a decode engine's callback may name as `remote_host` besides the
+    decode instance's own host (for KV transfer NICs other than the HTTP address)."""
+    api_keys_file: str | None = None
+    """API keys of the OpenAI port, one per line (`#` comments). With keys (here or in `api_keys_env`), every
+    `/v1/` request needs `Authorization: Bearer <key>`, else 401; the header is not forwarded to engines."""
+    api_keys_env: str | None = None
+    """The name of an environment variable holding API keys, comma-separated."""
 
     @field_validator("metaserver_address")
     @classmethod
@@ -227,6 +238,8 @@ class _Model(Protocol):
     def name(self) -> str: ...
     @property
     def tokenizer(self) -> str | None: ...
+    @property
+    def max_model_len(self) -> int | None: ...
 
 
 class _Listener(Protocol):
@@ -271,6 +284,11 @@ class MeshView(Protocol):
     @property
     def conductor_match_address(self) -> str:
         """Where the Match stream goes: the conductor, or Envoy's gRPC listener in front of its replicas."""
+        ...
+
+    @property
+    def conductor_match_server(self) -> str:
+        """The role whose certificate answers there (`conductor`, or `envoy` in front of replicas)."""
         ...
 
     def model_dump(self, *, mode: Any = ..., exclude: Any = ...) -> dict[str, Any]:

@@ -2,6 +2,11 @@
 `ext_authz.py`): understand the body, pick, commit, issue the ticket, run the P/D preparation, and say what
 Envoy must do. The transports only translate messages.
 
+The checks of the OpenAI port live here too, so that both transports apply them (docs/security.md): the API key
+(401 before anything else), the request limits and the prompt's size against the model's context (in
+`understand_body`, inline or in a worker process), the engine-facing request id the coordinator mints (the
+client's own id is only a label, echoed back), and the headers the engine must not get (the API key).
+
 Tokenization stays off the event loop for large bodies: a body of more than `inline_bytes` is parsed and
 tokenized in a worker process (`coordinator/understand_pool.py`), so one huge prompt does not stall the decisions
 of the small ones behind it. Smaller bodies are decided inline, which costs no inter-process hop.
@@ -16,15 +21,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from coordinator import metrics
+from coordinator.api_keys import ApiKeys
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
 from coordinator.openai_request import ROUTED_PATHS
 from coordinator.picker import AGGREGATED, HANDOFF, TRIGGER, EndpointPicker
+from coordinator.request_ids import client_request_id, log_id, mint_request_id
 from coordinator.tickets import Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
 
 log = logging.getLogger(__name__)
+
+UNAUTHORIZED = OpenAIError(
+    401, "Missing or incorrect API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
+)
+#: Request headers an engine never gets when the mesh checks API keys: the key is the mesh's, not the engine's.
+API_KEY_HEADERS = ("authorization",)
 
 
 @dataclass(slots=True)
@@ -35,14 +48,42 @@ class RequestCounters:
     rejected: int = 0
 
 
+@dataclass(slots=True, frozen=True)
+class RequestIds:
+    """A request's ids: the one the coordinator minted (engines, attempts, callbacks and tickets are keyed by it,
+    so two requests with the same client id never meet inside the mesh) and the client's, a label only."""
+
+    engine: str
+    client: str = ""  # the client's X-Request-Id, cut to printable ASCII (`request_ids.client_request_id`)
+
+    @property
+    def echo(self) -> str:
+        """The id the client gets back (`x-tandem-client-request-id`, which Envoy returns as `x-request-id`)."""
+        return self.client or self.engine
+
+    @property
+    def log(self) -> str:
+        return log_id(self.client, self.engine)
+
+
+def new_request_ids(client_header: str | None) -> RequestIds:
+    """Fresh ids for a request whose client sent `client_header` as its X-Request-Id (Envoy generates one when the
+    client sends none)."""
+    return RequestIds(mint_request_id(), client_request_id(client_header))
+
+
 @dataclass(slots=True)
 class Routed:
     """What Envoy must do with a routed request."""
 
     destination: str  # `host:port` of the engine Envoy forwards to
-    request_id: str  # the `X-Request-Id` the engine gets
+    request_id: str  # the `X-Request-Id` the engine gets (minted; trigger mode numbers its attempts)
+    client_request_id: str  # set as `x-tandem-client-request-id`, echoed to the client as its `x-request-id`
     ticket: Ticket  # released when Envoy logs the request's end
     body: bytes | None = None  # the body the engine gets instead of the client's (P/D modes)
+    # Request headers the engine must not get: ext_authz removes them on this word; the ext_proc routes remove
+    # the same ones themselves (see ext_proc.py).
+    remove_headers: tuple[str, ...] = ()
     fallback: str | None = None  # a second engine Envoy may retry on (the destination header lists both)
 
 
@@ -70,8 +111,10 @@ class Decider:
         tickets: TicketTable,
         pool: UnderstandPool | None = None,
         inline_bytes: int = 8192,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.picker = picker
+        self.api_keys = api_keys or ApiKeys()  # none: the OpenAI port is open
         self.handoff = handoff
         self.trigger = trigger
         self.tickets = tickets
@@ -79,9 +122,12 @@ class Decider:
         self.counters = RequestCounters()
         self._pool = pool
 
-    def without_body(self, method: str, path: str) -> Answer | None:
-        """The answer to a request the coordinator does not route; None for a routed path (which needs its
-        body)."""
+    def without_body(self, method: str, path: str, authorization: str | None = None) -> Answer | None:
+        """The answer to a request the coordinator does not route, or to one without a valid API key (401, on
+        every `/v1/` path: health probes need no key); None for a routed path (which needs its body).
+        `authorization`: the request's Authorization header, if any."""
+        if path.startswith("/v1/") and not self.api_keys.accepts(authorization):
+            return self.reject(UNAUTHORIZED)
         api = ROUTED_PATHS.get(path)
         if api is not None:
             if method != "POST":
@@ -108,17 +154,22 @@ class Decider:
         self,
         path: str,
         raw_body: bytes,
-        request_id: str,
+        ids: RequestIds,
         extend: Callable[[], Awaitable[None]] | None = None,
     ) -> Routed | Answer:
-        """Decides where a POST to a routed `path` goes. `extend` is awaited before a handoff prefill leg (to
-        extend Envoy's timer); None means the transport cannot rewrite the body, so P/D modes are refused."""
+        """Decides where a POST to a routed `path` goes (its API key already checked by `without_body`). `extend`
+        is awaited before a handoff prefill leg (to extend Envoy's timer); None means the transport cannot rewrite
+        the body, so P/D modes are refused."""
         start = time.perf_counter()
         api = ROUTED_PATHS[path]
+        request_id = ids.engine
         try:
             request = None
             if len(raw_body) > self.inline_bytes and self._pool is not None:
-                request = await self._pool.understand(api, raw_body, self.picker.instances.known_models)
+                picker = self.picker
+                request = await self._pool.understand(
+                    api, raw_body, picker.instances.known_models, picker.max_model_len
+                )
             decision = await self.picker.decide(api, raw_body, request_id, request)
         except OpenAIError as exc:
             return self.reject(exc)
@@ -160,4 +211,5 @@ class Decider:
         metrics.routed(instance.instance_id)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
-        return Routed(instance.address, engine_request_id, ticket, body, decision.fallback)
+        removed = API_KEY_HEADERS if self.api_keys.enabled else ()
+        return Routed(instance.address, engine_request_id, ids.echo, ticket, body, removed, decision.fallback)

@@ -7,6 +7,7 @@ from http import HTTPStatus
 
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",
@@ -18,11 +19,14 @@ _TYPES = {
 class OpenAIError(Exception):
     """An error for an HTTP client: status code, message and the offending parameter, if any."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = status if code is None else code
 
     def __reduce__(self):
         # Raised in decision worker processes too: rebuilt whole on the other side.
@@ -35,5 +39,5 @@ class OpenAIError(Exception):
 
     def body(self) -> bytes:
         """`{"error": {"message", "type", "param", "code"}}` as JSON bytes."""
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return json.dumps({"error": error}).encode()

@@ -3,10 +3,12 @@ per request, the cheapest of Envoy's typed decision calls (docs/benchmarks.md), 
 models only (it cannot rewrite the body, which P/D modes need; those meshes run `ext_proc.py`).
 
 Envoy buffers the body (`with_request_body`, packed as bytes) and sends it with the request's path, method and
-headers. An allowed request gets the destination header (read by the ORIGINAL_DST cluster), `x-request-id` and
-the ticket as dynamic metadata (logged by Envoy's access log when the request ends, which releases its workload);
-Envoy clears its route cache and forwards. Anything else is denied with the coordinator's answer as the local
-reply: OpenAI-style errors, `/v1/models`, health.
+headers. An allowed request gets the destination header (read by the ORIGINAL_DST cluster), `x-request-id` (the
+id the coordinator minted), `x-tandem-client-request-id` (the client's id, which the route echoes back), the
+headers to remove (the API key) and the ticket as dynamic metadata (logged by Envoy's access log when the request
+ends, which releases its workload); Envoy clears its route cache and forwards. Anything else is denied with the
+coordinator's answer as the local reply: OpenAI-style errors (401 without a valid API key), `/v1/models`,
+health.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from envoy.type.v3 import http_status_pb2
 from google.rpc import code_pb2, status_pb2
 
 from coordinator.access_log import TICKET_KEY
-from coordinator.decision import Answer, Decider
+from coordinator.decision import Answer, Decider, Routed, new_request_ids
+from coordinator.request_ids import CLIENT_ID_HEADER
 from tandem.logs import request_id_var
 
 log = logging.getLogger(__name__)
@@ -64,36 +67,40 @@ class Authorization(ea_grpc.AuthorizationServicer):
     async def Check(self, request: ea.CheckRequest, context) -> ea.CheckResponse:
         http = request.attributes.request.http
         path = http.path.split("?", 1)[0]
-        request_id = http.headers.get("x-request-id") or http.id
-        request_id_var.set(request_id)
-        answer = self.decider.without_body(http.method, path)
+        headers = http.headers  # lower-case names
+        ids = new_request_ids(headers.get("x-request-id") or http.id)
+        request_id_var.set(ids.log)
+        answer = self.decider.without_body(http.method, path, headers.get("authorization"))
         if answer is not None:
             return denied(answer)
         body = http.raw_body or http.body.encode()
-        outcome = await self.decider.route(path, body, request_id)
+        outcome = await self.decider.route(path, body, ids)
         if isinstance(outcome, Answer):
             return denied(outcome)
         # Returned, not written: past this point the reply is grpc's to deliver. Should Envoy drop it (the client
         # left first), Envoy's log of the request carries no ticket and `ended_without_ticket` flags it.
         self.decider.tickets.routed(outcome.ticket)
-        destination = outcome.destination
-        if outcome.fallback is not None:  # the `static` engines cluster tries the listed addresses in order
-            destination = f"{destination},{outcome.fallback}"
-        return self._allowed(destination, outcome.request_id, outcome.ticket.id)
+        return self._allowed(outcome)
 
-    def _allowed(self, destination: str, request_id: str, ticket: str) -> ea.CheckResponse:
+    def _allowed(self, routed: Routed) -> ea.CheckResponse:
         # Filled in place, the destination header reused per engine: building these messages from keyword
         # arguments cost more than twice as much (per request, on the coordinator's one core).
         reply = ea.CheckResponse()
         reply.status.code = code_pb2.OK
-        headers = reply.ok_response.headers
+        ok = reply.ok_response
+        headers = ok.headers
+        destination = routed.destination
+        if routed.fallback is not None:  # the `static` engines cluster tries the listed addresses in order
+            destination = f"{destination},{routed.fallback}"
         dest = self._destinations.get(destination)
         if dest is None:
             dest = self._destinations[destination] = _header(DESTINATION_HEADER, destination)
         headers.append(dest)
-        rid = headers.add()
-        rid.header.key = "x-request-id"
-        rid.header.value = request_id
-        rid.append_action = _OVERWRITE
-        reply.dynamic_metadata.fields[TICKET_KEY].string_value = ticket
+        for key, value in (("x-request-id", routed.request_id), (CLIENT_ID_HEADER, routed.client_request_id)):
+            header = headers.add()
+            header.header.key = key
+            header.header.value = value
+            header.append_action = _OVERWRITE
+        ok.headers_to_remove.extend(routed.remove_headers)
+        reply.dynamic_metadata.fields[TICKET_KEY].string_value = routed.ticket.id
         return reply

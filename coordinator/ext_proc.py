@@ -3,21 +3,27 @@
 One message each way per routed request. Envoy's ingress runs ext_proc with request headers SKIP and request body
 BUFFERED, followed by a `buffer` filter that holds the request until the body has been processed, so routing
 waits for the decision. Envoy sends one message, the buffered body, with the attributes `request.path`,
-`request.method` and `request.id` (the `x-request-id` Envoy keeps or generates). The coordinator answers with:
+`request.method`, `request.id` (the `x-request-id` Envoy keeps or generates: the client's id) and the
+`authorization` header (for the API key check; absent when the client sent none). The coordinator answers with:
 - dynamic metadata in the `tandem` namespace: `destination` (`host:port`, read by the ORIGINAL_DST cluster's
-  `metadata_key`), `request_id` (set as the upstream `x-request-id` by the route) and `ticket` (logged by Envoy's
-  access log when the request ends: that is how the workload is released, `coordinator/access_log.py`);
+  `metadata_key`), `request_id` (the id the coordinator minted, set as the upstream `x-request-id` by the route),
+  `client_request_id` (set as `x-tandem-client-request-id` by the route and echoed to the client as its
+  `x-request-id`) and `ticket` (logged by Envoy's access log when the request ends: that is how the workload is
+  released, `coordinator/access_log.py`);
 - in P/D modes, the rewritten body (Envoy fixes `content-length`);
-- or an immediate OpenAI-style error.
+- or an immediate OpenAI-style error (401 without a valid API key).
 Then the coordinator closes the stream: Envoy waits on nothing more from it, and a coordinator that dies later cuts
 no request it routed. Requests outside the routed paths (`/v1/models`, health, wrong method or path) reach a route
 that sends their headers instead (the body is not needed), answered at once.
+
+The engine must not get the API key either: Envoy does not apply a header mutation sent with the body when the
+headers were skipped (seen with Envoy 1.40), so the routed routes remove `authorization` themselves in a mesh with
+API keys (`envoy/envoy.yaml.j2`); `Routed.remove_headers` is applied by ext_authz only.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -28,7 +34,7 @@ from google.protobuf import struct_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from coordinator.access_log import METADATA_NAMESPACE, TICKET_KEY
-from coordinator.decision import Answer, Decider, Routed
+from coordinator.decision import Answer, Decider, Routed, new_request_ids
 from coordinator.errors import OpenAIError
 from tandem.logs import request_id_var
 
@@ -36,8 +42,11 @@ log = logging.getLogger(__name__)
 
 #: The namespace ext_proc puts request attributes under in `ProcessingRequest.attributes`.
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
-#: Attributes Envoy sends with the body (the filter's `request_attributes`).
-REQUEST_ATTRIBUTES = ("request.path", "request.method", "request.id")
+#: The attribute carrying the request's Authorization header: a CEL expression, evaluated by Envoy (left out when
+#: the header is absent).
+AUTHORIZATION_ATTRIBUTE = "request.headers['authorization']"
+#: Attributes Envoy sends with the body (the filter's `request_attributes`, rendered from this).
+REQUEST_ATTRIBUTES = ("request.path", "request.method", "request.id", AUTHORIZATION_ATTRIBUTE)
 _JSON = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
     append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
@@ -69,6 +78,7 @@ def routed_response(routed: Routed) -> ep.ProcessingResponse:
     fields = metadata.fields[METADATA_NAMESPACE].struct_value.fields
     fields["destination"].string_value = routed.destination
     fields["request_id"].string_value = routed.request_id
+    fields["client_request_id"].string_value = routed.client_request_id
     fields[TICKET_KEY].string_value = routed.ticket.id
     response = ep.BodyResponse()
     if routed.body is not None:
@@ -101,12 +111,19 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def _on_headers(self, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
         """A request on the headers-only route (not a routed path): answered at once."""
         method = path = ""
+        client_id = authorization = None
         for h in headers.headers.headers:
-            if h.key == ":path":
+            key = h.key
+            if key == ":path":
                 path = _text(h).split("?", 1)[0]
-            elif h.key == ":method":
+            elif key == ":method":
                 method = _text(h)
-        answer = self.decider.without_body(method, path)
+            elif key == "x-request-id":
+                client_id = _text(h)
+            elif key == "authorization":
+                authorization = _text(h)
+        request_id_var.set(new_request_ids(client_id).log)
+        answer = self.decider.without_body(method, path, authorization)
         if answer is None:  # a routed path whose route sent headers: a body-less request
             answer = self.decider.reject(
                 OpenAIError(400, "The request body is empty; expected a JSON object.")
@@ -118,10 +135,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         fields = attributes.fields if attributes is not None else {}
         path = fields["request.path"].string_value.split("?", 1)[0] if "request.path" in fields else ""
         method = fields["request.method"].string_value if "request.method" in fields else "POST"
-        request_id = fields["request.id"].string_value if "request.id" in fields else ""
-        request_id = request_id or uuid.uuid4().hex
-        request_id_var.set(request_id)
-        answer = self.decider.without_body(method, path)
+        ids = new_request_ids(fields["request.id"].string_value if "request.id" in fields else None)
+        request_id_var.set(ids.log)
+        auth = fields.get(AUTHORIZATION_ATTRIBUTE)
+        answer = self.decider.without_body(method, path, auth.string_value if auth is not None else None)
         if answer is not None:
             await context.write(immediate(answer))
             return
@@ -129,7 +146,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         async def extend() -> None:
             await context.write(self._extend_timeout)
 
-        outcome = await self.decider.route(path, message.request_body.body, request_id, extend)
+        outcome = await self.decider.route(path, message.request_body.body, ids, extend)
         if isinstance(outcome, Answer):
             await context.write(immediate(outcome))
             return

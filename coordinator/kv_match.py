@@ -21,6 +21,7 @@ import grpc
 from coordinator import metrics
 from coordinator.scheduling import NO_MATCH, KvMatch
 from tandem.chain_hash import chain_hashes
+from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,19 @@ def best_rank_match(hit) -> KvMatch:
 class ConductorMatcher:
     """Asks the conductor which instances hold a prompt's prefix."""
 
-    def __init__(self, address: str, timeout_s: float, queue_size: int = 4096) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        queue_size: int = 4096,
+        tls: TlsFiles | None = None,
+        server_role: str = "conductor",
+    ) -> None:
         self.address = address
+        self.tls = tls
+        self.server_role = (
+            server_role  # whose certificate answers at `address` (`envoy` in front of replicas)
+        )
         self.timeout_s = timeout_s
         self._outbox: asyncio.Queue[conductor_pb2.MatchRequest] = asyncio.Queue(maxsize=queue_size)
         self._pending: dict[str, asyncio.Future] = {}  # request id on the wire -> its answer
@@ -62,7 +74,7 @@ class ConductorMatcher:
         backoff = 0.1
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.address) as channel:
+                async with aio_channel(self.address, self.tls, self.server_role) as channel:
                     await asyncio.wait_for(channel.channel_ready(), 5)
                     call = conductor_pb2_grpc.ConductorStub(channel).Match(self._requests())
                     self.connected = True

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.services import RegistryService
+from tandem.tls import TlsFiles, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +24,13 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def watch_conductor(health, conductor_address: str, retry_s: float = 1.0) -> None:
+async def watch_conductor(
+    health, conductor_address: str, retry_s: float = 1.0, tls: TlsFiles | None = None
+) -> None:
     """Mirrors the conductor's health into ours until cancelled."""
     while True:
         try:
-            async with grpc.aio.insecure_channel(conductor_address) as channel:
+            async with aio_channel(conductor_address, tls, "conductor") as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 async for reply in stub.Watch(health_pb2.HealthCheckRequest(service="")):
                     await health.set(CONDUCTOR_SERVICE, reply.status)

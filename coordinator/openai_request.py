@@ -39,6 +39,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise OpenAIError(400, f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise OpenAIError(400, "The request body nests JSON too deeply.") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, f"The request body must be a JSON object, not {type(body).__name__}.")
     return body

@@ -14,13 +14,14 @@ Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has pre
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
+from coordinator.limits import check_body, check_context, check_prompt_size
 from coordinator.openai_request import OpenAIRequest, model_of, parse_body, understand
 from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts, create_policy
@@ -106,17 +107,27 @@ def understand_body(
     known_models: Collection[str],
     tokenizers: TokenizerCache,
     config: CoordinatorConfig,
+    max_model_len: Mapping[str, int] | None = None,
 ) -> OpenAIRequest:
-    """Parses, validates and tokenizes a body (pure: also run in decision worker processes); OpenAIError 400 for
-    bad input, 404 for a model not in `known_models`."""
+    """Parses, checks against the request limits, and tokenizes a body (pure: also run in decision worker
+    processes, so that a large body gets the same checks there); OpenAIError 400 for bad input or a request over
+    the limits, 404 for a model not in `known_models`. `max_model_len`: the context length of the models that
+    declare one."""
     body = parse_body(raw_body)
+    check_body(api, body, config.limits)
     model = model_of(body)
     if model not in known_models:
         served = ", ".join(sorted(known_models)) or "none"
         raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
     chat = api == "chat.completions"
     default_max = config.chat_default_max_tokens if chat else config.default_max_tokens
-    return understand(api, body, tokenizers.get(model), default_max)
+    context = (max_model_len or {}).get(model)
+    # Before tokenizing: a prompt far beyond the context would hold the tokenizer for seconds.
+    check_prompt_size(api, body, context, config.limits, model)
+    request = understand(api, body, tokenizers.get(model), default_max)
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    check_context(request.prompts, asked, context, model)
+    return request
 
 
 class EndpointPicker:
@@ -144,10 +155,14 @@ class EndpointPicker:
         #: Name a second engine with each aggregated pick, for Envoy's one retry before any response byte (the
         #: `static` engines cluster tries the named addresses in order; ORIGINAL_DST could only retry the first).
         self.fallbacks = fallbacks
+        #: Context length per model, from the mesh file's `models[].max_model_len` (checked when known).
+        self.max_model_len: dict[str, int] = {}
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
         """Parses and validates the body; 400 for bad input, 404 for an unknown model."""
-        return understand_body(api, raw_body, self.instances.known_models, self.tokenizers, self.config)
+        return understand_body(
+            api, raw_body, self.instances.known_models, self.tokenizers, self.config, self.max_model_len
+        )
 
     def mode_of(self, model: str) -> str:
         """The serving mode of `model`: `pd_mode`, or under `auto` what its instances' roles and dispatch

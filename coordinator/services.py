@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -17,11 +18,15 @@ from coordinator.config import CoordinatorConfig
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
 from coordinator.decision import RequestCounters
 from coordinator.instances import Health, InstanceTable
+from coordinator.ownership import ownership_problem
 from coordinator.picker import EndpointPicker
+from coordinator.redact import redact
 from coordinator.shared_state import LocalState, SharedState
-from coordinator.trigger import TriggerCoordinator
+from coordinator.trigger import CallbackRefused, TriggerCoordinator
 from coordinator.workload import WorkloadLedger
+from tandem.authz import refuse
 from tandem.logs import request_id_var
+from tandem.tls import agent_node, caller_var
 from tandem.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -44,7 +49,8 @@ def publish_instance_counts(instances: InstanceTable) -> None:
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
-    """Node agents register instances and report their health and load."""
+    """Node agents register instances and report their health and load; with TLS, each agent only its own
+    node's instances (`coordinator.ownership`)."""
 
     def __init__(
         self,
@@ -52,18 +58,37 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         config: CoordinatorConfig,
         ledger: WorkloadLedger | None = None,
         shared: SharedState | None = None,
+        tls_on: bool = False,
     ) -> None:
         self.instances = instances
         self.config = config
         self.ledger = ledger  # follows each instance's progress counters, as heartbeats carry them
         self.shared = shared or LocalState()  # where other replicas learn what this one hears
+        self.tls_on = tls_on
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
+
+    def _owner(self, instance_id: str) -> str | None:
+        state = self.instances.get(instance_id)
+        return None if state is None else state.info.node_id
+
+    async def _check_owner(self, context, method: str, instance_id: str, claimed_node: str = "") -> None:
+        caller = caller_var.get()
+        problem = ownership_problem(caller, self.tls_on, claimed_node, self._owner(instance_id))
+        if problem is not None:
+            refuse(f"/tandem.v1.Registry/{method}", caller)
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"permission denied: instance {instance_id!r}: {problem}"
+            )
 
     async def Register(self, request: registry_pb2.RegisterRequest, context) -> registry_pb2.RegisterResponse:
         try:
             info = instance_from_proto(request.instance)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._check_owner(context, "Register", info.instance_id, info.node_id)
+        node = agent_node(caller_var.get())
+        if node is not None and not info.node_id:  # the certificate says which node registers it
+            info = dataclasses.replace(info, node_id=node)
         self.instances.register(info)
         if self.ledger is not None:
             # A (re)started engine or a restarted agent: the next report of its counters is a new baseline.
@@ -84,6 +109,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self.open_streams += 1
         try:
             async for beat in request_iterator:
+                await self._check_owner(context, "Heartbeat", beat.instance_id)
                 health = HEALTH_NAMES.get(beat.health, Health.UNHEALTHY)
                 load = load_from_proto(beat.load)
                 known = self.instances.heartbeat(beat.instance_id, health, load)
@@ -99,6 +125,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def Deregister(
         self, request: registry_pb2.DeregisterRequest, context
     ) -> registry_pb2.DeregisterResponse:
+        await self._check_owner(context, "Deregister", request.instance_id)
         state = self.instances.deregister(request.instance_id)
         self.shared.deregistered(request.instance_id)
         publish_instance_counts(self.instances)
@@ -196,6 +223,10 @@ class MetaserverService(metaserver_pb2_grpc.MetaserverServicer):
         except UnknownAttempt as exc:
             metrics.CALLBACKS.labels("unknown").inc()
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except CallbackRefused as exc:
+            metrics.CALLBACKS.labels("refused").inc()
+            log.warning("metaserver callback refused", extra={"error": str(exc)})
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except PrefillLegFailed as exc:
             metrics.CALLBACKS.labels("failed").inc()
             log.warning("metaserver callback failed", extra={"error": str(exc)})
@@ -211,5 +242,5 @@ class MetaserverService(metaserver_pb2_grpc.MetaserverServicer):
 
 
 def config_as_yaml(config) -> str:
-    """The effective config as YAML (pydantic model dump)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The effective config as YAML (pydantic model dump), secrets redacted (`coordinator.redact`)."""
+    return yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False)

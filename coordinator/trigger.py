@@ -23,8 +23,10 @@ from google.protobuf import json_format
 
 from coordinator import metrics
 from coordinator.attempts import Attempt, AttemptRegistry
+from coordinator.callback_checks import callback_problem, mint_token
 from coordinator.handoff import HandoffRunner
 from coordinator.picker import Decision
+from tandem.netaddr import split_host_port
 from tandem.v1 import metaserver_pb2
 
 log = logging.getLogger(__name__)
@@ -82,25 +84,56 @@ def trigger_prefill_body(body: dict[str, Any], attempt: Attempt) -> dict[str, An
     return leg
 
 
+class CallbackRefused(Exception):
+    """A callback that does not belong to its attempt (`coordinator.callback_checks`); the message says why."""
+
+
 class TriggerCoordinator:
     """Opens attempts for decode requests and runs their prefill legs."""
 
-    def __init__(self, runner: HandoffRunner, registry: AttemptRegistry, metaserver_url: str) -> None:
+    def __init__(
+        self,
+        runner: HandoffRunner,
+        registry: AttemptRegistry,
+        metaserver_url: str,
+        kv_hosts: list[str] | None = None,
+    ) -> None:
         self.runner = runner
         self.registry = registry
         self.metaserver_url = metaserver_url
+        self.kv_hosts = kv_hosts or []
 
     def open(self, decision: Decision, path: str) -> tuple[Attempt, bytes]:
         """Registers the request's attempt; returns it and the body for the decode engine."""
         attempt = self.registry.open(
             decision.request_id, decision.request.api, len(decision.request.prompts), (decision, path)
         )
-        params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": self.metaserver_url}
+        attempt.token = mint_token()
+        url = f"{self.metaserver_url}/{attempt.token}"
+        params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": url}
         return attempt, json.dumps({**decision.request.body, "kv_transfer_params": params}).encode()
 
     async def callback(self, req: metaserver_pb2.TriggerRequest) -> None:
         """One decode-engine callback (see `AttemptRegistry.callback` for the rules)."""
-        await self.registry.callback(req.request_id, callback_facts(req), self.run_leg)
+        facts = callback_facts(req)
+        attempt = self.registry.find(req.request_id)
+        decision, _ = attempt.context
+        info = decision.target.instance.info
+        index = attempt.expected.index(req.request_id) if req.request_id in attempt.expected else 0
+        prompts = decision.request.prompts
+        prompt_tokens = len(prompts[index]) if index < len(prompts) else decision.request.prompt_tokens
+        problem = callback_problem(
+            attempt.token,
+            req.token,
+            facts,
+            split_host_port(info.address)[0],
+            prompt_tokens,
+            info.block_size,
+            self.kv_hosts,
+        )
+        if problem is not None:
+            raise CallbackRefused(f"callback for {req.request_id!r} refused: {problem}")
+        await self.registry.callback(req.request_id, facts, self.run_leg)
 
     async def run_leg(self, attempt: Attempt) -> None:
         """The attempt's prefill leg, retried on another prefill instance up to the configured attempts."""

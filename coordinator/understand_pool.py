@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from concurrent.futures import ProcessPoolExecutor
 
 from coordinator.config import CoordinatorConfig
@@ -44,10 +44,12 @@ def _ready() -> bool:
     return _worker is not None
 
 
-def _understand(api: str, raw_body: bytes, known_models: frozenset[str]) -> OpenAIRequest:
+def _understand(
+    api: str, raw_body: bytes, known_models: frozenset[str], max_model_len: dict[str, int]
+) -> OpenAIRequest:
     assert _worker is not None
     tokenizers, config = _worker
-    return understand_body(api, raw_body, known_models, tokenizers, config)
+    return understand_body(api, raw_body, known_models, tokenizers, config, max_model_len)
 
 
 class UnderstandPool:
@@ -67,11 +69,20 @@ class UnderstandPool:
         """Starts the workers now rather than on the first large body."""
         await asyncio.get_running_loop().run_in_executor(self._pool, _ready)
 
-    async def understand(self, api: str, raw_body: bytes, known_models: Collection[str]) -> OpenAIRequest:
-        """`understand_body` in a worker; raises OpenAIError as the inline path does."""
+    async def understand(
+        self,
+        api: str,
+        raw_body: bytes,
+        known_models: Collection[str],
+        max_model_len: Mapping[str, int] | None = None,
+    ) -> OpenAIRequest:
+        """`understand_body` in a worker, with the same request limits (a large body is where `check_prompt_size`
+        matters most); raises OpenAIError as the inline path does. The models and their context lengths go with
+        each call: a reloaded mesh file may change them."""
         models = frozenset(known_models)
+        lengths = dict(max_model_len or {})
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, _understand, api, raw_body, models
+            self._pool, _understand, api, raw_body, models, lengths
         )
 
     def close(self) -> None:

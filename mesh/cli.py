@@ -26,8 +26,23 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument(
         "--engine-timeout", type=float, default=120.0, help="seconds to wait for engines at start"
     )
+    p_up.add_argument(
+        "--certs-dir",
+        default=None,
+        help="certificates (default: security.certs_dir, else RUN_DIR/certs, created when missing)",
+    )
+    p_certs = sub.add_parser(
+        "certs", help="create the mesh CA and a certificate per component (kept when present)"
+    )
+    p_certs.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_certs.add_argument("--dir", default=None, help="where (default: security.certs_dir, else ./certs)")
+    p_certs.add_argument("--host", action="append", default=[], help="another name or IP servers answer to")
+    p_certs.add_argument(
+        "--force", action="store_true", help="re-issue every component certificate from the CA (rotation)"
+    )
     p_envoy = sub.add_parser("envoy-config", help="print the Envoy bootstrap generated from a mesh config")
     p_envoy.add_argument("--config", required=True)
+    p_envoy.add_argument("--certs-dir", default=None, help="certificates Envoy uses (see `tandem certs`)")
     p_coord = sub.add_parser("coordinator", help="run the coordinator")
     p_coord.add_argument("--config", required=True, help="mesh config file (YAML)")
     p_coord.add_argument(
@@ -36,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run replica I of coordinator.replicas (name c<I>, ports +10*I)",
     )
+    p_coord.add_argument("--certs-dir", default=None, help="certificates (default: security.certs_dir)")
     p_cond = sub.add_parser("conductor", help="run the conductor (the KV index)")
     p_cond.add_argument("--config", default=None, help="mesh config file (YAML); defaults without it")
     p_cond.add_argument("--listen", help="gRPC address, overrides the config")
@@ -43,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p_cond.add_argument(
         "--replica", type=int, default=None, help="run replica I of conductor.replicas (ports +10*I)"
     )
+    p_cond.add_argument("--certs-dir", default=None, help="certificates (default: security.certs_dir)")
     p_agent = sub.add_parser(
         "agent",
         help="run a node agent (`tandem agent stop [--engines]` stops one)",
@@ -56,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with stop: deregister and stop the node's engines too (also when the agent is not running)",
     )
     p_agent.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_agent.add_argument("--certs-dir", default=None, help="certificates (default: security.certs_dir)")
     p_agent.add_argument(
         "--node", default=None, help="node_id of this agent (optional when the file has one)"
     )
@@ -92,47 +110,79 @@ def main(argv: list[str] | None = None) -> int:
 
     from mesh.config import ConfigError, load_mesh_config
 
-    if args.command in ("up", "envoy-config"):
+    if args.command in ("up", "envoy-config", "certs"):
         try:
             mesh = load_mesh_config(args.config)
         except ConfigError as exc:
             print(f"tandem {args.command}: config error: {exc}", file=sys.stderr)
             return 2
+        if args.command == "certs":
+            return _certs(mesh, args.dir, args.host, args.force)
         if args.command == "envoy-config":
             from mesh.envoy import render_envoy_config
+            from mesh.security import certs_dir
             from tandem.protogen import DESCRIPTOR
 
-            print(render_envoy_config(mesh, DESCRIPTOR), end="")
+            try:
+                certs = certs_dir(mesh, args.certs_dir or (None if mesh.security.certs_dir else "certs"))
+            except ConfigError as exc:
+                print(f"tandem envoy-config: config error: {exc}", file=sys.stderr)
+                return 2
+            print(render_envoy_config(mesh, DESCRIPTOR, certs), end="")
             return 0
         from mesh.up import up
 
-        return up(mesh, args.config, Path(args.run_dir).resolve(), args.engine_timeout)
+        return up(mesh, args.config, Path(args.run_dir).resolve(), args.engine_timeout, args.certs_dir)
     if args.command == "coordinator":
-        return _coordinator(args.config, args.replica)
+        return _coordinator(args.config, args.replica, args.certs_dir)
     if args.command == "conductor":
-        return _conductor(args.config, args.listen, args.metrics_listen, args.replica)
+        return _conductor(args.config, args.listen, args.metrics_listen, args.replica, args.certs_dir)
     if args.action == "stop":
-        return _agent_stop(args.config, args.node, args.engines)
-    return _agent(args.config, args.node, args.node_rank, args.master_addr)
+        return _agent_stop(args.config, args.node, args.engines, args.certs_dir)
+    return _agent(args.config, args.node, args.node_rank, args.master_addr, args.certs_dir)
 
 
-def _agent_stop(path: str, node: str | None, engines: bool) -> int:
+def _certs(mesh: MeshConfig, directory: str | None, hosts: list[str], force: bool) -> int:
+    from mesh.certs import CertError, describe, ensure_certs
+    from mesh.security import certs_dir
+
+    target = Path(directory or "certs").resolve()
+    if directory is None and mesh.security.certs_dir and not mesh.security.insecure:
+        target = certs_dir(mesh) or target
+    try:
+        written = ensure_certs(target, mesh, force=force, extra_hosts=hosts)
+    except CertError as exc:
+        print(f"tandem certs: {exc}", file=sys.stderr)
+        return 2
+    for pem in sorted(target.glob("*.pem")):
+        if not pem.name.endswith("-key.pem") and pem.name != "ca-bundle.pem":
+            mark = "new " if pem.stem in written else "kept"
+            print(f"  {mark} {describe(pem)}")
+    print(f"tandem certs: {len(written)} certificate(s) written in {target}")
+    return 0
+
+
+def _agent_stop(path: str, node: str | None, engines: bool, certs: str | None) -> int:
     from mesh.config import ConfigError, load_mesh_config
+    from mesh.security import component_tls
     from node_agent.shutdown import shutdown_agent
 
     try:
-        config = load_mesh_config(path).node_agent(node)
+        mesh = load_mesh_config(path)
+        config = mesh.node_agent(node)
+        tls = component_tls(mesh, "operator", certs)
     except ConfigError as exc:
         print(f"tandem agent stop: config error: {exc}", file=sys.stderr)
         return 2
-    report = shutdown_agent(config, stop_engines=engines)
+    report = shutdown_agent(config, stop_engines=engines, tls=tls)
     print(report.summary(config.node_id))
     return 0 if not report.agent_answered or report.agent_exited else 1
 
 
-def _coordinator(path: str, replica: int | None) -> int:
+def _coordinator(path: str, replica: int | None, certs: str | None) -> int:
     from coordinator.app import run
     from mesh.config import ConfigError, load_mesh_config
+    from mesh.security import component_tls
     from tandem.process import run_component
 
     def load(file: str | Path) -> MeshConfig:
@@ -145,33 +195,45 @@ def _coordinator(path: str, replica: int | None) -> int:
             raise ConfigError(f"{file}: coordinator.replicas: {exc}") from None
         return mesh.model_copy(update={"coordinator": section})
 
-    return run_component("coordinator", lambda: load(path), lambda mesh: run(mesh, load))
+    def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
+        return run(mesh, load, component_tls(mesh, "coordinator", certs))
+
+    return run_component("coordinator", lambda: load(path), main)
 
 
-def _conductor(path: str | None, listen: str | None, metrics_listen: str | None, replica: int | None) -> int:
+def _conductor(
+    path: str | None, listen: str | None, metrics_listen: str | None, replica: int | None, certs: str | None
+) -> int:
     from conductor.config import ConductorConfig
     from conductor.serve import serve
     from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
+    from mesh.security import component_tls
     from tandem.config_file import validate
     from tandem.process import run_component
+    from tandem.tls import TlsFiles
 
-    def load() -> ConductorConfig:
-        config = (load_mesh_config(path) if path else parse_mesh_config({}, "<defaults>")).conductor
+    def load() -> tuple[ConductorConfig, TlsFiles | None]:
+        mesh = load_mesh_config(path) if path else parse_mesh_config({}, "<defaults>")
+        tls = component_tls(mesh, "conductor", certs)
+        config = mesh.conductor
         if replica is not None:
             try:
                 config = config.replica_config(replica)
             except ValueError as exc:
                 raise ConfigError(f"{path}: conductor.replicas: {exc}") from None
         overrides = {k: v for k, v in (("listen", listen), ("metrics_listen", metrics_listen)) if v}
-        if not overrides:
-            return config
-        return validate(ConductorConfig, {**config.model_dump(), **overrides}, "command line")
+        if overrides:
+            config = validate(ConductorConfig, {**config.model_dump(), **overrides}, "command line")
+        return config, tls
 
-    return run_component("conductor", load, serve)
+    return run_component("conductor", load, lambda loaded: serve(*loaded))
 
 
-def _agent(path: str, node: str | None, node_rank: int | None, master_addr: str | None) -> int:
+def _agent(
+    path: str, node: str | None, node_rank: int | None, master_addr: str | None, certs: str | None
+) -> int:
     from mesh.config import load_mesh_config
+    from mesh.security import component_tls, engine_tls_env
     from node_agent.app import run
     from node_agent.launch import LaunchError, Placement
     from tandem.process import run_component
@@ -188,10 +250,22 @@ def _agent(path: str, node: str | None, node_rank: int | None, master_addr: str 
     def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
         config = mesh.node_agent(node)
         # Replicas: the agent reports through Envoy's gRPC listener, which picks a live replica.
-        default = mesh.envoy.grpc_listen if mesh.coordinator.replicas > 1 else mesh.coordinator.listen
-        coordinator = config.coordinator_address or default
+        via_envoy = mesh.coordinator.replicas > 1 and not config.coordinator_address
+        coordinator = config.coordinator_address or mesh.coordinator.listen
+        if via_envoy:
+            coordinator = mesh.envoy.grpc_listen
         conductor = [config.conductor_address] if config.conductor_address else mesh.conductor.replica_listens
-        return run(config, coordinator, conductor, mesh.path, placement)
+        tls = component_tls(mesh, f"agent/{config.node_id}", certs)
+        return run(
+            config,
+            coordinator,
+            conductor,
+            mesh.path,
+            placement,
+            tls,
+            engine_tls_env(mesh, certs),
+            coordinator_server="envoy" if via_envoy else "coordinator",
+        )
 
     return run_component("node-agent", lambda: load_mesh_config(path), main)
 

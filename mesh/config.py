@@ -9,14 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
 from mesh.restarts import RestartPolicy
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
-from tandem.netaddr import Address, is_wildcard, split_host_port
+from tandem.netaddr import Address, is_loopback, is_wildcard, split_host_port
 
 __all__ = ["ConfigError", "MeshConfig", "load_mesh_config", "parse_mesh_config"]
 
@@ -29,9 +29,14 @@ class EnvoyConfig(BaseModel):
     http_listen: Address = "127.0.0.1:8000"
     """OpenAI-compatible ingress (HTTP/1.1 and h2c)."""
     grpc_listen: Address = "127.0.0.1:9000"
-    """gRPC listener routing every `tandem.v1` service, health and reflection."""
+    """The control listener: operators' and node agents' gRPC (every `tandem.v1` service, health, reflection),
+    mutual TLS with per-service authorization by certificate identity (docs/security.md)."""
+    callback_listen: Address = "127.0.0.1:9002"
+    """The engines' callback listener: only the metaserver callback (JSON, transcoded to `Metaserver.Trigger`),
+    HTTPS with the mesh CA; each callback URL carries a per-attempt token."""
     admin_listen: Address = "127.0.0.1:9901"
-    """Envoy's admin interface."""
+    """Envoy's admin interface (it can stop Envoy: `/quitquitquit`): a loopback address only, for the operator
+    on that machine."""
     base_id: int = 0
     """Envoy `--base-id`; distinct per Envoy on one machine."""
     ext_proc_timeout_ms: int = Field(default=5000, gt=0)
@@ -55,6 +60,39 @@ class EnvoyConfig(BaseModel):
     retry can only go to the same address). `static`: the engines of `node_agents` are the cluster's endpoints and
     the coordinator's choice is an override (`host:port[,fallback...]`): a request refused before any response byte
     is retried once on the next named address (or another engine), and outlier detection ejects engines that fail."""
+    max_connections: int = Field(default=10000, gt=0)
+    """Connections Envoy accepts over all listeners (overload manager); past it new ones are refused."""
+    max_connections_per_listener: int = Field(default=4096, gt=0)
+    """Connections one listener accepts at once."""
+    request_headers_timeout_s: float = Field(default=10.0, gt=0)
+    """A client must send its request headers within this (slow-header clients are cut)."""
+    idle_timeout_s: float = Field(default=300.0, gt=0)
+    """A downstream connection without any stream for this long is closed."""
+    max_request_headers_kb: int = Field(default=60, gt=0, le=8192)
+    """Largest request header block (KiB) Envoy accepts; larger gets 431."""
+
+    @field_validator("admin_listen")
+    @classmethod
+    def _loopback_admin(cls, value: str) -> str:
+        if not is_loopback(split_host_port(value)[0]):
+            raise ValueError(
+                f"{value!r}: Envoy's admin interface can stop Envoy (/quitquitquit); it listens on loopback only"
+            )
+        return value
+
+
+class SecurityConfig(BaseModel):
+    """Mutual TLS between components (docs/security.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    insecure: bool = False
+    """Plain text between components and no authorization: only for a throwaway mesh on one machine. The
+    banner of `tandem up` says so."""
+    certs_dir: str | None = None
+    """Where the CA and component certificates are (`tandem certs --dir`). Unset: `tandem up` creates them in
+    `<run-dir>/certs`; a component started alone (`tandem coordinator ...`) needs it, or `--certs-dir`. A relative
+    path is relative to the mesh file."""
 
 
 class UpConfig(BaseModel):
@@ -78,6 +116,8 @@ class ModelConfig(BaseModel):
     upstream_idle_timeout_s: float | None = Field(default=None, gt=0)
     """This model's requests end after this long without a byte from the engine (504 before the first byte);
     `envoy.upstream_idle_timeout_s` when unset. Set it above the model's longest prefill."""
+    max_model_len: int | None = Field(default=None, gt=0)
+    """The model's context length: a prompt plus `max_tokens` beyond it is answered 400 by the coordinator."""
 
 
 class MeshConfig(BaseModel):
@@ -86,6 +126,7 @@ class MeshConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     envoy: EnvoyConfig = EnvoyConfig()
+    security: SecurityConfig = SecurityConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     conductor: ConductorConfig = ConductorConfig()
     models: list[ModelConfig] = []
@@ -97,10 +138,10 @@ class MeshConfig(BaseModel):
     @model_validator(mode="after")
     def _metaserver_reachable(self) -> MeshConfig:
         if self.coordinator.metaserver_address is None and is_wildcard(
-            split_host_port(self.envoy.grpc_listen)[0]
+            split_host_port(self.envoy.callback_listen)[0]
         ):
             raise ValueError(
-                "coordinator.metaserver_address: required when envoy.grpc_listen is a wildcard address "
+                "coordinator.metaserver_address: required when envoy.callback_listen is a wildcard address "
                 "(decode engines must be given an address they can reach)"
             )
         return self
@@ -122,15 +163,22 @@ class MeshConfig(BaseModel):
 
     @property
     def metaserver_url(self) -> str:
-        """The callback URL decode engines get in trigger mode; it names this coordinator process."""
-        address = self.coordinator.metaserver_address or self.envoy.grpc_listen
-        return f"http://{address}/v1/metaserver/{self.coordinator.replica}"
+        """The callback URL decode engines get in trigger mode (Envoy's callback listener; HTTPS unless insecure);
+        it names this coordinator process, and the coordinator appends a per-attempt token."""
+        address = self.coordinator.metaserver_address or self.envoy.callback_listen
+        scheme = "http" if self.security.insecure else "https"
+        return f"{scheme}://{address}/v1/metaserver/{self.coordinator.replica}"
 
     @property
     def conductor_match_address(self) -> str:
         """The coordinator's Match stream: the conductor, or with replicas Envoy's gRPC listener, which sends it to a
         healthy replica (and to another one when that one dies)."""
         return self.envoy.grpc_listen if self.conductor.replicas > 1 else self.conductor.listen
+
+    @property
+    def conductor_match_server(self) -> str:
+        """The role whose certificate answers at `conductor_match_address` (`envoy` in front of replicas)."""
+        return "envoy" if self.conductor.replicas > 1 else "conductor"
 
     def node_agent(self, node_id: str | None) -> NodeAgentConfig:
         """The agent section for `node_id`; the only one when `node_id` is None."""

@@ -14,19 +14,59 @@ import jinja2
 import yaml
 
 from coordinator.access_log import METADATA_NAMESPACE
+from coordinator.decision import API_KEY_HEADERS
+from coordinator.ext_proc import REQUEST_ATTRIBUTES
 from coordinator.openai_request import ROUTED_PATHS
 from mesh.config import MeshConfig
 from node_agent.launch import Placement, registered_instance_ids
+from tandem import tls as tandem_tls
+from tandem.limits import MAX_BODY_BYTES
 from tandem.netaddr import join_host_port, split_host_port
 
 #: The template (a folder of the repository, next to the components: Envoy is a process of the mesh).
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
 #: The header Envoy's ORIGINAL_DST cluster reads the engine's `host:port` from; only the coordinator sets it.
 DESTINATION_HEADER = "x-tandem-destination"
+#: The request header the coordinator sets to the client's X-Request-Id (coordinator/request_ids.py), echoed back.
+CLIENT_ID_HEADER = "x-tandem-client-request-id"
 #: The header that picks a node agent on the gRPC listener.
 NODE_HEADER = "tandem-node"
-#: Bodies are buffered for the coordinator's decision: the longest prompt a client may send.
-BUFFER_LIMIT = 32 * 1024 * 1024
+#: Bodies are buffered for the coordinator's decision: the longest prompt a client may send (the coordinator's gRPC
+#: message limit follows it, `tandem.limits`).
+BUFFER_LIMIT = MAX_BODY_BYTES
+#: Envoy's heap past which the overload manager sheds load.
+MAX_HEAP_BYTES = 1024 * 1024 * 1024
+#: Who may call what through the control listener (Envoy RBAC; each service checks its own rules again):
+#: (policy, gRPC path prefixes, role patterns of `tandem.tls`).
+CONTROL_ACCESS = [
+    (
+        "operator",
+        [
+            "/tandem.v1.Admin/",
+            "/tandem.v1.NodeAgent/",
+            "/tandem.v1.Conductor/GetIndexStats",
+            "/tandem.v1.Conductor/Match",
+            "/grpc.health.v1.Health/",
+            "/grpc.reflection.",
+        ],
+        ["operator"],
+    ),
+    (
+        "node-agents",
+        ["/tandem.v1.Registry/", "/tandem.v1.Conductor/Ingest", "/grpc.health.v1.Health/"],
+        ["agent/*"],
+    ),
+    # A coordinator reaching conductor replicas through Envoy (Match sent to a healthy replica).
+    ("coordinators", ["/tandem.v1.Conductor/Match", "/grpc.health.v1.Health/"], ["coordinator"]),
+]
+#: What the control listener routes to the coordinator (nothing else is routed there).
+COORDINATOR_SERVICES = [
+    "/tandem.v1.Admin/",
+    "/tandem.v1.Registry/",
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+]
 _NO_DESTINATION = (
     '{"error": {"message": "The coordinator did not route this request.", '
     '"type": "ServiceUnavailableError", "param": null, "code": 503}}'
@@ -81,8 +121,23 @@ def _retry_policy(engines_cluster: str) -> dict[str, object]:
     return policy
 
 
-def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
-    """The bootstrap YAML for `mesh`, comments included; `descriptor` is the `tandem.v1` descriptor set."""
+def _local_replies() -> list[tuple[int, str, str]]:
+    mib = BUFFER_LIMIT // (1024 * 1024)
+    return [
+        (413, "RequestEntityTooLargeError", f"The request body is larger than the {mib} MiB limit."),
+        (431, "RequestHeaderFieldsTooLargeError", "The request headers are too large."),
+        (408, "RequestTimeoutError", "The request did not arrive in time."),
+    ]
+
+
+def api_keys_configured(mesh: MeshConfig) -> bool:
+    """Whether the coordinator checks API keys (it refuses to start when a named file or variable holds none)."""
+    return bool(mesh.coordinator.api_keys_file or mesh.coordinator.api_keys_env)
+
+
+def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None = None) -> str:
+    """The bootstrap YAML for `mesh`, comments included; `descriptor` is the `tandem.v1` descriptor set; `certs`
+    the directory of `tandem certs` (default ./certs), unused in insecure mode."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATE.parent),
         undefined=jinja2.StrictUndefined,
@@ -93,11 +148,20 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
     ext_proc_s = envoy.ext_proc_timeout_ms / 1000
     agents = [(a.node_id, split_host_port(a.listen)) for a in mesh.node_agents]
     engines = _engine_endpoints(mesh) if envoy.engines_cluster == "static" else []
+    tls = None
+    if not mesh.security.insecure:
+        directory = certs if certs is not None else Path("certs")
+        tls = {
+            "ca": str(directory / "ca.pem"),
+            "cert": str(directory / "envoy.pem"),
+            "key": str(directory / "envoy-key.pem"),
+        }
     return env.get_template(TEMPLATE.name).render(
         mesh=mesh,
         listen={
             "http": split_host_port(envoy.http_listen),
             "grpc": split_host_port(envoy.grpc_listen),
+            "callback": split_host_port(envoy.callback_listen),
             "admin": split_host_port(envoy.admin_listen),
         },
         descriptor=str(descriptor),
@@ -109,19 +173,38 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
         decision=mesh.decision_path,
         routed_paths=list(ROUTED_PATHS),
         metadata_namespace=METADATA_NAMESPACE,
+        request_attributes=list(REQUEST_ATTRIBUTES),
+        # Headers the ext_proc routes remove (ext_authz removes them on the coordinator's word): the API key.
+        removed_headers=list(API_KEY_HEADERS) if api_keys_configured(mesh) else [],
         agents=agents,
         engines_cluster=envoy.engines_cluster,
         engine_endpoints=engines,
         upstream_idle_timeout=_seconds(envoy.upstream_idle_timeout_s),
         model_routes=_model_routes(mesh),
         retry_policy=_retry_policy(envoy.engines_cluster),
-        grpc_agents=[(f"agent_{node_id}", address) for node_id, address in agents],
+        grpc_agents=[(f"agent_{node_id}", address, f"agent/{node_id}") for node_id, address in agents],
+        tls=tls,
+        control_rbac=CONTROL_ACCESS,
+        coordinator_services=COORDINATOR_SERVICES,
+        identity_prefix=tandem_tls.PREFIX,
+        listener_header=tandem_tls.LISTENER_HEADER,
+        client_id_header=CLIENT_ID_HEADER,
+        local_replies=_local_replies(),
+        limits={
+            "max_connections": envoy.max_connections,
+            "max_connections_per_listener": envoy.max_connections_per_listener,
+            "max_heap_bytes": MAX_HEAP_BYTES,
+            "request_headers_timeout": _seconds(envoy.request_headers_timeout_s),
+            "idle_timeout": _seconds(envoy.idle_timeout_s),
+            "max_request_headers_kb": envoy.max_request_headers_kb,
+        },
         coordinator=split_host_port(mesh.coordinator.listen),
         coordinators=[split_host_port(a) for a in mesh.coordinator.replica_listens],
         conductors=[split_host_port(a) for a in mesh.conductor.replica_listens],
         # One cluster per coordinator replica, for the metaserver callbacks that must reach it.
         replica_clusters=[
-            (f"coordinator_c{i}", split_host_port(a)) for i, a in enumerate(mesh.coordinator.replica_listens)
+            (f"coordinator_c{i}", split_host_port(a), "coordinator")
+            for i, a in enumerate(mesh.coordinator.replica_listens)
         ],
         conductor=split_host_port(mesh.conductor.listen),
         destination_header=DESTINATION_HEADER,
@@ -131,13 +214,13 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path) -> str:
     )
 
 
-def build_envoy_config(mesh: MeshConfig, descriptor: Path) -> dict[str, Any]:
+def build_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None = None) -> dict[str, Any]:
     """The rendered bootstrap as a document (for checks and tests)."""
-    return yaml.safe_load(render_envoy_config(mesh, descriptor))
+    return yaml.safe_load(render_envoy_config(mesh, descriptor, certs))
 
 
-def write_envoy_config(mesh: MeshConfig, descriptor: Path, path: Path) -> Path:
+def write_envoy_config(mesh: MeshConfig, descriptor: Path, path: Path, certs: Path | None = None) -> Path:
     """Writes the rendered bootstrap to `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_envoy_config(mesh, descriptor))
+    path.write_text(render_envoy_config(mesh, descriptor, certs))
     return path

@@ -25,10 +25,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mesh.certs import CertError, ensure_certs
 from mesh.config import MeshConfig
 from mesh.envoy import write_envoy_config
 from mesh.restarts import ComponentState, RestartTracker
+from mesh.security import CERTS_ENV, certs_dir
+from tandem import tls as tandem_tls
 from tandem.protogen import DESCRIPTOR
+from tandem.tls import TlsFiles
 from tandem.v1 import admin_pb2, admin_pb2_grpc
 
 
@@ -46,10 +50,11 @@ class Component:
     tracker: RestartTracker
     process: subprocess.Popen | None = None
     node_id: str | None = None  # for a node agent
+    env: dict[str, str] | None = None
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        env = {**os.environ, "TANDEM_NO_BANNER": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TANDEM_NO_BANNER": "1", "PYTHONUNBUFFERED": "1", **(self.env or {})}
         # A session of its own: Ctrl-C reaches `tandem up` only, which stops the children in order.
         self.process = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
@@ -90,8 +95,8 @@ def envoy_binary() -> str:
     return found
 
 
-def _grpc_serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _grpc_serving(address: str, tls: TlsFiles | None = None, role: str = "coordinator") -> bool:
+    with tandem_tls.channel(address, tls, role) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
         except grpc.RpcError:
@@ -123,15 +128,36 @@ def _wait(component: Component, ready, timeout: float) -> None:
 class Mesh:
     """The processes of one `tandem up`."""
 
-    def __init__(self, mesh: MeshConfig, config_path: str, run_dir: Path) -> None:
+    def __init__(self, mesh: MeshConfig, config_path: str, run_dir: Path, certs: str | None = None) -> None:
         self.mesh = mesh
         self.config_path = str(Path(config_path).resolve())
         self.run_dir = run_dir
         self.components: list[Component] = []
+        self.certs: Path | None = None
+        self.tls: TlsFiles | None = None  # the operator's: health checks and Admin calls of `tandem up`
+        self._certs_override = certs
+
+    def prepare_certs(self) -> None:
+        """Uses the mesh's certificates, creating the CA and any missing component certificate (in
+        `<run-dir>/certs` unless the mesh file or --certs-dir names a directory)."""
+        if self.mesh.security.insecure:
+            return
+        override = self._certs_override
+        if override is None and not self.mesh.security.certs_dir:
+            override = str(self.run_dir / "certs")
+        directory = certs_dir(self.mesh, override)
+        assert directory is not None
+        try:
+            ensure_certs(directory, self.mesh)
+        except CertError as exc:
+            raise StartError(str(exc)) from None
+        self.certs = directory
+        self.tls = TlsFiles.for_role(directory, "operator")
 
     def _component(self, name: str, argv: list[str], node_id: str | None = None) -> Component:
         tracker = RestartTracker(self.mesh.up.restart)
-        component = Component(name, argv, self.run_dir / f"{name}.log", tracker, node_id=node_id)
+        env = {CERTS_ENV: str(self.certs)} if self.certs is not None else {}
+        component = Component(name, argv, self.run_dir / f"{name}.log", tracker, node_id=node_id, env=env)
         self.components.append(component)
         component.start()
         return component
@@ -139,6 +165,8 @@ class Mesh:
     def start(self) -> None:
         """Starts everything and waits until each part answers; raises StartError otherwise."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.certs is None:
+            self.prepare_certs()
         if not DESCRIPTOR.exists():
             raise StartError(f"{DESCRIPTOR} is missing: run `make protos`")
         py = sys.executable
@@ -157,10 +185,10 @@ class Mesh:
             extra = [] if section.replicas == 1 else ["--replica", str(i)]
             coordinators.append((self._component(name, argv + extra), section.replica_config(i).listen))
         for component, address in conductors:
-            _wait(component, lambda a=address: _grpc_serving(a), 30)
+            _wait(component, lambda a=address: _grpc_serving(a, self.tls, "conductor"), 30)
         for component, address in coordinators:
-            _wait(component, lambda a=address: _grpc_serving(a), 30)
-        envoy_yaml = write_envoy_config(self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml")
+            _wait(component, lambda a=address: _grpc_serving(a, self.tls), 30)
+        envoy_yaml = write_envoy_config(self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml", self.certs)
         envoy_argv = [envoy_binary(), "-c", str(envoy_yaml), "--base-id", str(self.mesh.envoy.base_id)]
         envoy_argv += ["--log-level", self.mesh.envoy.log_level, "--concurrency", "1"]
         envoy = self._component("envoy", envoy_argv)
@@ -168,7 +196,11 @@ class Mesh:
         for agent in self.mesh.node_agents:
             argv = [py, "-m", "mesh", "agent", "--config", self.config_path, "--node", agent.node_id]
             component = self._component(f"agent-{agent.node_id}", argv, node_id=agent.node_id)
-            _wait(component, lambda a=agent: _grpc_serving(a.listen), 30)
+            _wait(
+                component,
+                lambda a=agent: _grpc_serving(a.listen, self.tls, f"agent/{a.node_id}"),
+                30,
+            )
 
     def wait_for_engines(self, timeout: float) -> list[str]:
         """Waits until every configured engine is registered and healthy; returns the ids still missing."""
@@ -177,7 +209,7 @@ class Mesh:
         wanted = {iid for a in self.mesh.node_agents for e in a.engines for iid in registered_instance_ids(e)}
         deadline = time.monotonic() + timeout
         missing = sorted(wanted)
-        with grpc.insecure_channel(self.mesh.coordinator.listen) as channel:
+        with tandem_tls.channel(self.mesh.coordinator.listen, self.tls, "coordinator") as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
             while missing and time.monotonic() < deadline and self.all_alive():
                 with contextlib.suppress(grpc.RpcError):
@@ -247,9 +279,11 @@ class Mesh:
             if component.node_id is not None:
                 config = self.mesh.node_agent(component.node_id)
                 if component.alive():
-                    shutdown_agent(config, stop_engines=True, timeout_s=20)
+                    shutdown_agent(config, stop_engines=True, timeout_s=20, tls=self.tls)
                 component.stop(grace=20)
-                shutdown_agent(config, stop_engines=True, timeout_s=0)  # engines of an agent that was down
+                shutdown_agent(
+                    config, stop_engines=True, timeout_s=0, tls=self.tls
+                )  # engines of an agent that was down
             else:
                 component.stop(grace=10)
 
@@ -258,18 +292,31 @@ def _say(message: str) -> None:
     print(f"tandem up: {message}", file=sys.stderr, flush=True)
 
 
-def print_urls(mesh: MeshConfig, run_dir: Path) -> None:
+def grpcurl_flags(certs: Path | None) -> str:
+    """How grpcurl reaches the control listener: the operator's certificate, or plain text in insecure mode."""
+    if certs is None:
+        return "-plaintext"
+    return f"-cacert {certs}/ca.pem -cert {certs}/operator.pem -key {certs}/operator-key.pem"
+
+
+def print_urls(mesh: MeshConfig, run_dir: Path, certs: Path | None = None) -> None:
     """What a user needs to start calling the mesh."""
     http, grpc_addr = mesh.envoy.http_listen, mesh.envoy.grpc_listen
+    if certs is None:
+        security = (
+            "  INSECURE       plain text between components, no caller authentication (security.insecure)\n"
+        )
+    else:
+        security = f"  certificates   {certs}/ (mutual TLS; operator: operator.pem)\n"
     models = sorted({e.model for a in mesh.node_agents for e in a.engines} | {m.name for m in mesh.models})
     model = models[0] if models else "MODEL"
     print(
         f"""
 Tandem is up.
   OpenAI API     http://{http}/v1          (models: {", ".join(models) or "none"})
-  gRPC admin     {grpc_addr}              grpcurl -plaintext {grpc_addr} list
-  Envoy admin    http://{mesh.envoy.admin_listen}/
-  logs           {run_dir}/
+  gRPC admin     {grpc_addr}              grpcurl {grpcurl_flags(certs)} {grpc_addr} list
+  Envoy admin    http://{mesh.envoy.admin_listen}/   (loopback only)
+{security}  logs           {run_dir}/
 
 Try:
   curl -s http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -280,7 +327,13 @@ Ctrl-C stops everything.""",
     )
 
 
-def up(mesh: MeshConfig, config_path: str, run_dir: Path, engine_timeout: float = 120.0) -> int:
+def up(
+    mesh: MeshConfig,
+    config_path: str,
+    run_dir: Path,
+    engine_timeout: float = 120.0,
+    certs: str | None = None,
+) -> int:
     """Runs the mesh until Ctrl-C or SIGTERM; returns the exit code."""
     stopping = False
 
@@ -290,17 +343,21 @@ def up(mesh: MeshConfig, config_path: str, run_dir: Path, engine_timeout: float 
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster = Mesh(mesh, config_path, run_dir)
+    cluster = Mesh(mesh, config_path, run_dir, certs)
     try:
         print(
             f"tandem up: starting conductor, coordinator, Envoy and {len(mesh.node_agents)} node agent(s)",
             flush=True,
         )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cluster.prepare_certs()
+        if cluster.certs is None:
+            print("tandem up: INSECURE: security.insecure is true; components talk plain text", flush=True)
         cluster.start()
         missing = cluster.wait_for_engines(engine_timeout)
         if missing:
             print(f"tandem up: engines not healthy yet: {', '.join(missing)} (see {run_dir})", flush=True)
-        print_urls(mesh, run_dir)
+        print_urls(mesh, run_dir, cluster.certs)
         cluster.write_status()
         while not stopping:
             cluster.supervise(time.monotonic())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -22,9 +23,14 @@ from node_agent.supervisor import EngineState, EngineSupervisor
 from node_agent.systemd import SystemdNotify
 from tandem.config_file import ConfigError
 from tandem.grpc_server import GrpcApp
+from tandem.tls import TlsFiles
 from tandem.v1 import node_agent_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+#: Who may call what on a node agent (`tandem.authz`; checked when the mesh runs with TLS): the operator only,
+#: directly or through Envoy's control listener.
+RULES = {"/tandem.v1.NodeAgent/": ("operator",)}
 
 
 class NodeAgent:
@@ -36,22 +42,29 @@ class NodeAgent:
         coordinator_address: str,
         conductor_address: str | list[str],
         placement: Placement | None = None,
+        tls: TlsFiles | None = None,
+        engine_env: dict[str, str] | None = None,
+        coordinator_server: str = "coordinator",
     ) -> None:
         self.config = config
         self.runtime_dir = config.runtime_path
         # False (the default): on exit the agent leaves its engines running for the next agent to adopt.
         self.stop_engines_on_exit = False
         self.supervisors: dict[str, EngineSupervisor] = {}
-        self.link = CoordinatorLink(coordinator_address, config.node_id, self._engine_supervisors)
+        self.link = CoordinatorLink(
+            coordinator_address, config.node_id, self._engine_supervisors, tls, coordinator_server
+        )
         # One relay per conductor replica: every replica indexes every engine, so any of them can answer a Match.
         addresses = [conductor_address] if isinstance(conductor_address, str) else list(conductor_address)
-        self.relays = [KvEventRelay(address, config.node_id) for address in addresses]
+        self.relays = [KvEventRelay(address, config.node_id, tls=tls) for address in addresses]
         self.relay = self.relays[0]
         self.services = build_services(config, self.runtime_dir, placement or Placement(), self._changed)
         for service in self.services:
             for sup in service.supervisors:
                 self.supervisors[sup.name] = sup
                 sup.on_load = self.link.load_reported
+                if engine_env and sup.engine is not None:  # e.g. the CA bundle for callbacks over HTTPS
+                    sup.spec = dataclasses.replace(sup.spec, env={**engine_env, **sup.spec.env})
         self._relayed: set[str] = set()
         self._tasks: list[asyncio.Task] = []
 
@@ -122,17 +135,27 @@ async def run(
     conductor_address: str | list[str],
     source: str,
     placement: Placement | None = None,
+    tls: TlsFiles | None = None,
+    engine_env: dict[str, str] | None = None,
+    coordinator_server: str = "coordinator",
 ) -> None:
-    """Serves one node until SIGTERM. The layer above resolves the addresses; `source` names the config file."""
+    """Serves one node until SIGTERM. The layer above resolves the addresses; `source` names the config file;
+    with `tls`, every connection is mutual TLS and the NodeAgent service answers the operator only;
+    `coordinator_server` is the role whose certificate answers at `coordinator_address` (`envoy` in front of
+    coordinator replicas)."""
     try:
         placement = placement or Placement.from_env()
-        agent = NodeAgent(config, coordinator_address, conductor_address, placement)
+        agent = NodeAgent(
+            config, coordinator_address, conductor_address, placement, tls, engine_env, coordinator_server
+        )
         agent.prepare()
     except (LaunchError, ServiceError) as exc:
         raise ConfigError(f"{source}: node_agents {config.node_id!r}: {exc}") from None
     notify = SystemdNotify()
     REGISTRY.register(AgentCollector(agent))
-    app = GrpcApp(f"node-agent {config.node_id}", config.listen, config.metrics_listen, grace=2.0)
+    app = GrpcApp(
+        f"node-agent {config.node_id}", config.listen, config.metrics_listen, grace=2.0, tls=tls, rules=RULES
+    )
 
     def shutdown(stop_engines: bool) -> None:
         agent.stop_engines_on_exit = stop_engines

@@ -20,6 +20,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from node_agent.config import HANDOFF_CONNECTORS, TRIGGER_CONNECTORS, EngineConfig
 from node_agent.supervisor import EngineState, EngineSupervisor
 from tandem.netaddr import join_host_port
+from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -96,13 +97,20 @@ def heartbeat_message(sup: EngineSupervisor) -> registry_pb2.HeartbeatRequest:
 class CoordinatorLink:
     """Keeps the coordinator's Registry in step with this node's engines."""
 
-    def __init__(self, address: str, node_id: str, supervisors: Callable[[], list[EngineSupervisor]]) -> None:
+    def __init__(
+        self,
+        address: str,
+        node_id: str,
+        supervisors: Callable[[], list[EngineSupervisor]],
+        tls: TlsFiles | None = None,
+        server_role: str = "coordinator",
+    ) -> None:
         self.address = address
         self.node_id = node_id
         self.supervisors = supervisors
         self.interval_s = 2.0
         self.registered: set[str] = set()
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(address, tls, server_role, CHANNEL_OPTIONS)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._wake = asyncio.Event()
         self._outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] | None = None  # of the open stream

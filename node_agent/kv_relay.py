@@ -33,6 +33,7 @@ import zmq.asyncio
 from tandem.kv_events import KvEventDecodeError, decode_batch
 from tandem.kv_sockets import live_batches, replay_batches
 from tandem.kv_wire import batch_to_pb
+from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,10 @@ class KvEventRelay:
         replay_timeout_s: float = 5.0,
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 1.0,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.conductor_address = conductor_address
+        self.tls = tls
         self.node_id = node_id
         self.queue_size = queue_size
         self.replay_timeout_s = replay_timeout_s
@@ -184,7 +187,7 @@ class KvEventRelay:
     # -- the stream -----------------------------------------------------------------------------------------------
 
     async def _stream_once(self) -> None:
-        async with grpc.aio.insecure_channel(self.conductor_address, options=CHANNEL_OPTIONS) as channel:
+        async with aio_channel(self.conductor_address, self.tls, "conductor", CHANNEL_OPTIONS) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             call = stub.Ingest(self._requests())
             closed = asyncio.ensure_future(self._closed.wait())

@@ -14,6 +14,7 @@ import grpc
 
 from node_agent.config import NodeAgentConfig
 from node_agent.processes import stop_recorded
+from tandem.tls import TlsFiles, channel
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc
 
 
@@ -40,21 +41,24 @@ class ShutdownReport:
         return head
 
 
-def _answers(channel: grpc.Channel) -> bool:
+def _answers(chan: grpc.Channel) -> bool:
     try:
-        grpc.channel_ready_future(channel).result(timeout=0.2)
+        grpc.channel_ready_future(chan).result(timeout=0.2)
     except grpc.FutureTimeoutError:
         return False
     return True
 
 
-def shutdown_agent(config: NodeAgentConfig, stop_engines: bool, timeout_s: float = 60.0) -> ShutdownReport:
+def shutdown_agent(
+    config: NodeAgentConfig, stop_engines: bool, timeout_s: float = 60.0, tls: TlsFiles | None = None
+) -> ShutdownReport:
     """Asks the agent at `config.listen` to exit (stopping its engines when `stop_engines`), waits up to `timeout_s`
-    for it to go; with `stop_engines`, then stops whatever its state directory still records."""
+    for it to go; with `stop_engines`, then stops whatever its state directory still records. `tls`: the
+    operator's certificate (the NodeAgent service answers no one else when the mesh runs with TLS)."""
     report = ShutdownReport()
-    with grpc.insecure_channel(config.listen) as channel:
+    with channel(config.listen, tls, f"agent/{config.node_id}") as chan:
         try:
-            reply = node_agent_pb2_grpc.NodeAgentStub(channel).Shutdown(
+            reply = node_agent_pb2_grpc.NodeAgentStub(chan).Shutdown(
                 node_agent_pb2.ShutdownRequest(stop_engines=stop_engines), timeout=5
             )
         except grpc.RpcError:
@@ -64,9 +68,9 @@ def shutdown_agent(config: NodeAgentConfig, stop_engines: bool, timeout_s: float
             report.stopped = list(reply.stopping)
             report.left_running = list(reply.left_running)
             deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and _answers(channel):
+            while time.monotonic() < deadline and _answers(chan):
                 time.sleep(0.1)
-            report.agent_exited = not _answers(channel)
+            report.agent_exited = not _answers(chan)
     if stop_engines:
         leftovers = stop_recorded(config.state_path, grace_s=config.stop_grace_s)
         report.stopped += [name for name in leftovers if name not in report.stopped]

@@ -20,8 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from tandem.authz import AuthzInterceptor, Rules
 from tandem.banner import print_banner
 from tandem.metrics import start_metrics_server
+from tandem.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +41,20 @@ class GrpcApp:
         metrics_listen: str | None = None,
         grace: float = 5.0,
         options: list[tuple[str, Any]] | None = None,
+        tls: TlsFiles | None = None,
+        rules: Rules | None = None,
     ) -> None:
+        """With `tls`, the port speaks mutual TLS only and every call is checked against `rules` (who may call
+        what, `tandem.authz`); without, plain text and no checks (a mesh file's `security.insecure: true`)."""
         self.role = role
         self.listen = listen
         self.metrics_listen = metrics_listen
         self.grace = grace
-        self.server = grpc.aio.server(options=options or [("grpc.so_reuseport", 0)])
+        self.tls = tls
+        interceptors = [AuthzInterceptor(rules or {})] if tls is not None else []
+        self.server = grpc.aio.server(
+            options=options or [("grpc.so_reuseport", 0)], interceptors=interceptors
+        )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._services: list[str] = []
@@ -72,7 +82,10 @@ class GrpcApp:
         """Binds, marks every service SERVING and starts the metrics endpoint."""
         names = [*self._services, *self._extra_reflection, HEALTH_SERVICE, REFLECTION_SERVICE]
         reflection.enable_server_reflection(list(dict.fromkeys(names)), self.server)
-        self.bound_port = self.server.add_insecure_port(self.listen)
+        if self.tls is not None:
+            self.bound_port = self.server.add_secure_port(self.listen, self.tls.server_credentials())
+        else:
+            self.bound_port = self.server.add_insecure_port(self.listen)
         if self.bound_port == 0:
             raise OSError(f"cannot listen on {self.listen}")
         await self.server.start()
@@ -80,7 +93,9 @@ class GrpcApp:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.metrics_listen:
             start_metrics_server(self.metrics_listen)
-        details = {"grpc": self.listen}
+        details = {
+            "grpc": self.listen if self.tls is not None else f"{self.listen} (PLAIN TEXT: insecure mode)"
+        }
         if self.metrics_listen:
             details["metrics"] = f"http://{self.metrics_listen}/metrics"
         print_banner(self.role, details)

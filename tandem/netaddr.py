@@ -48,6 +48,16 @@ def is_wildcard(host: str) -> bool:
         return False
 
 
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and `localhost`."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def checked_address(address: str) -> str:
     """`address` unchanged when it is a valid `host:port`; ValueError otherwise (for config validation)."""
     split_host_port(address)

@@ -39,6 +39,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.instances import InstanceInfo, InstanceTable
 from coordinator.picker import EndpointPicker, TokenizerCache
 from coordinator.workload import WorkloadLedger
+from tandem import tls
 from tandem.grpc_server import GrpcApp
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import (
@@ -290,6 +291,37 @@ class RunningMesh:
     def grpc_address(self) -> str:
         return self.config["envoy"]["grpc_listen"]
 
+    @property
+    def callback_address(self) -> str:
+        return self.config["envoy"]["callback_listen"]
+
+    @property
+    def insecure(self) -> bool:
+        return bool(self.config.get("security", {}).get("insecure"))
+
+    @property
+    def certs(self) -> Path:
+        """The certificates `tandem up` made (in its run directory)."""
+        return self.run_dir / "certs"
+
+    def tls(self, role: str = "operator") -> tls.TlsFiles | None:
+        """The certificate files of `role` (None in insecure mode)."""
+        return None if self.insecure else tls.TlsFiles.for_role(self.certs, role)
+
+    def channel(self, role: str = "operator", address: str | None = None) -> grpc.Channel:
+        """A channel to Envoy's control listener (or `address`) with `role`'s certificate."""
+        return tls.channel(address or self.grpc_address, self.tls(role), "envoy")
+
+    def grpcurl_flags(self, role: str = "operator") -> list[str]:
+        """How grpcurl reaches the control listener as `role` (the README's line)."""
+        if self.insecure:
+            return ["-plaintext"]
+        stem = tls.file_stem(role)
+        return [
+            "-cacert", str(self.certs / "ca.pem"), "-cert", str(self.certs / f"{stem}.pem"),
+            "-key", str(self.certs / f"{stem}-key.pem"),
+        ]  # fmt: skip
+
     def start(self, timeout: float = 90) -> None:
         out = open(self.output, "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
@@ -320,10 +352,10 @@ class RunningMesh:
             raise RuntimeError(f"tandem up not ready in {timeout}s:\n{self.output.read_text()}") from None
 
     def admin(self) -> admin_pb2_grpc.AdminStub:
-        return admin_pb2_grpc.AdminStub(grpc.insecure_channel(self.grpc_address))
+        return admin_pb2_grpc.AdminStub(self.channel())
 
     def agent(self) -> node_agent_pb2_grpc.NodeAgentStub:
-        return node_agent_pb2_grpc.NodeAgentStub(grpc.insecure_channel(self.grpc_address))
+        return node_agent_pb2_grpc.NodeAgentStub(self.channel())
 
     def engines(self) -> dict[str, node_agent_pb2.EngineStatus]:
         status = self.agent().GetStatus(node_agent_pb2.GetStatusRequest(), timeout=5)

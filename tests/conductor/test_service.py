@@ -8,13 +8,15 @@ import signal
 import subprocess
 import sys
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conductor.app import SERVICE_NAME, Conductor
 from conductor.config import ConductorConfig
 from conductor.metrics import register
+from mesh.certs import ensure_certs
+from mesh.config import parse_mesh_config
+from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from tests.helpers import block_stored, free_ports, ingest_batch
 
@@ -130,15 +132,17 @@ def test_bad_configuration_exits_with_one_line(tmp_path):
     assert out.returncode == 2 and "max_entriez" in out.stderr
 
 
-async def test_process_serves_and_stops_on_sigterm():
+async def test_process_serves_and_stops_on_sigterm(tmp_path):
     port, mport = free_ports(2)
+    ensure_certs(tmp_path, parse_mesh_config({}))
     env = {**os.environ, "TANDEM_NO_BANNER": "1"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "mesh", "conductor", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
-        env=env, stderr=asyncio.subprocess.PIPE,
+        "--certs-dir", str(tmp_path), env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        operator = TlsFiles.for_role(tmp_path, "operator")
+        async with aio_channel(f"127.0.0.1:{port}", operator, "conductor") as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             stats = await stub.GetIndexStats(
                 conductor_pb2.GetIndexStatsRequest(), wait_for_ready=True, timeout=20

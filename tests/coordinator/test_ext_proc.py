@@ -12,10 +12,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
 from coordinator.access_log import METADATA_NAMESPACE
+from coordinator.api_keys import ApiKeys
 from coordinator.attempts import AttemptRegistry
 from coordinator.decision import Decider
 from coordinator.ext_authz import DESTINATION_HEADER, Authorization
-from coordinator.ext_proc import ATTRIBUTES_NAMESPACE, ExternalProcessor
+from coordinator.ext_proc import ATTRIBUTES_NAMESPACE, AUTHORIZATION_ATTRIBUTE, ExternalProcessor
 from coordinator.handoff import HandoffRunner
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
@@ -44,29 +45,38 @@ class FakeStream:
         self.written.append(message)
 
 
-def body_message(payload, path: str = "/v1/completions", method: str = "POST", request_id: str = "abc"):
+def body_message(
+    payload,
+    path: str = "/v1/completions",
+    method: str = "POST",
+    request_id: str = "abc",
+    authorization: str | None = None,
+):
     raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     attributes = struct_pb2.Struct()
     attributes.update({"request.path": path, "request.method": method, "request.id": request_id})
+    if authorization is not None:  # Envoy leaves the attribute out when the header is absent
+        attributes.update({AUTHORIZATION_ATTRIBUTE: authorization})
     return ep.ProcessingRequest(
         request_body=ep.HttpBody(body=raw, end_of_stream=True), attributes={ATTRIBUTES_NAMESPACE: attributes}
     )
 
 
-def headers_message(path: str, method: str = "GET") -> ep.ProcessingRequest:
+def headers_message(path: str, method: str = "GET", **extra: str) -> ep.ProcessingRequest:
+    pairs = {":path": path, ":method": method, **extra}
     hm = base_pb2.HeaderMap(
-        headers=[
-            base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
-            base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
-        ]
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
     )
     return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm, end_of_stream=True))
 
 
-def decider_for(picker, pool: UnderstandPool | None = None, inline_bytes: int = 8192) -> Decider:
+def decider_for(
+    picker, pool: UnderstandPool | None = None, inline_bytes: int = 8192, keys: tuple[str, ...] = ()
+) -> Decider:
     runner = HandoffRunner(picker, 5.0, 2)
     trigger = TriggerCoordinator(runner, AttemptRegistry(), URL)
-    return Decider(picker, runner, trigger, TicketTable(picker.ledger, 60.0), pool, inline_bytes)
+    tickets = TicketTable(picker.ledger, 60.0)
+    return Decider(picker, runner, trigger, tickets, pool, inline_bytes, ApiKeys(keys))
 
 
 async def process(decider: Decider, *messages) -> list[ep.ProcessingResponse]:
@@ -86,7 +96,8 @@ async def test_one_body_message_routes_and_the_ticket_releases():
     (reply,) = await process(decider, body_message(req, "/v1/chat/completions?x=1"))
     decision = decision_metadata(reply)
     assert decision["destination"] in {"127.0.0.1:8100", "127.0.0.1:8101"}
-    assert decision["request_id"] == "abc"
+    # The engine sees an id the coordinator minted; the client's is kept for the echo.
+    assert decision["request_id"].startswith("tdm-") and decision["client_request_id"] == "abc"
     assert not reply.request_body.response.HasField("body_mutation")  # aggregated: the client's body as is
     # The stream is closed, the workload still held: the request runs until Envoy logs its end.
     assert picker.ledger.total_requests == 1 and picker.ledger.total_tokens > 8
@@ -142,7 +153,7 @@ async def test_ext_authz_check_routes_with_a_header_and_denies_with_openai_json(
 
     def check(path, method, payload):
         http = ac.AttributeContext.HttpRequest(
-            path=path, method=method, headers={"x-request-id": "rid"}, raw_body=payload
+            path=path, method=method, headers={"x-request-id": "rid"}, raw_body=payload, id="envoy-id"
         )
         request = ea.CheckRequest(
             attributes=ac.AttributeContext(request=ac.AttributeContext.Request(http=http))
@@ -152,7 +163,8 @@ async def test_ext_authz_check_routes_with_a_header_and_denies_with_openai_json(
     ok = await check("/v1/completions", "POST", json.dumps({"model": "m", "prompt": "x"}).encode())
     headers = {h.header.key: h.header.value for h in ok.ok_response.headers}
     assert headers[DESTINATION_HEADER] in {"127.0.0.1:8100", "127.0.0.1:8101"}
-    assert headers["x-request-id"] == "rid"
+    assert headers["x-request-id"].startswith("tdm-") and headers["x-tandem-client-request-id"] == "rid"
+    assert not ok.ok_response.headers_to_remove
     ticket = ok.dynamic_metadata.fields["ticket"].string_value
     assert picker.ledger.total_requests == 1
     assert decider.tickets.end(ticket) and picker.ledger.total_requests == 0
@@ -195,3 +207,75 @@ async def test_client_gone_during_prefill_leg_releases_everything():
     done.set()
     await decider.handoff.close()
     await runner.cleanup()
+
+
+async def test_api_keys_on_both_transports_and_the_key_never_reaches_an_engine():
+    picker = make_picker()
+    decider = decider_for(picker, keys=("sk-good",))
+    payload = {"model": "m", "prompt": "x"}
+    # ext_proc, body message: the key comes as an attribute.
+    (missing,) = await process(decider, body_message(payload))
+    (wrong,) = await process(decider, body_message(payload, authorization="Bearer sk-bad"))
+    for reply in (missing, wrong):
+        assert reply.immediate_response.status.code == 401
+        assert json.loads(reply.immediate_response.body)["error"]["code"] == "invalid_api_key"
+    (ok,) = await process(decider, body_message(payload, authorization="Bearer sk-good"))
+    assert decision_metadata(ok)[
+        "destination"
+    ]  # (the ext_proc routes remove the key: tests/mesh/test_envoy.py)
+    assert decider.tickets.end(decision_metadata(ok)["ticket"])
+    # ext_proc, headers-only route: /v1/models needs the key too, health probes do not.
+    (models,) = await process(decider, headers_message("/v1/models"))
+    assert models.immediate_response.status.code == 401
+    (models,) = await process(decider, headers_message("/v1/models", authorization="Bearer sk-good"))
+    assert models.immediate_response.status.code == 200
+    (health,) = await process(decider, headers_message("/health"))
+    assert health.immediate_response.status.code == 200
+    # ext_authz: the same answers, the key removed in the OK response.
+    authz = Authorization(decider)
+
+    def check(headers: dict[str, str]):
+        http = ac.AttributeContext.HttpRequest(
+            path="/v1/completions", method="POST", headers=headers, raw_body=json.dumps(payload).encode()
+        )
+        request = ea.CheckRequest(
+            attributes=ac.AttributeContext(request=ac.AttributeContext.Request(http=http))
+        )
+        return authz.Check(request, None)
+
+    denied = await check({"authorization": "Bearer sk-bad"})
+    assert denied.denied_response.status.code == 401
+    assert json.loads(denied.denied_response.body)["error"]["type"] == "AuthenticationError"
+    allowed = await check({"authorization": "bearer sk-good"})
+    assert list(allowed.ok_response.headers_to_remove) == ["authorization"]
+    assert decider.tickets.end(allowed.dynamic_metadata.fields["ticket"].string_value)
+    assert decider.counters.rejected == 4 and picker.ledger.total_requests == 0
+
+
+async def test_duplicate_client_ids_get_distinct_engine_ids():
+    decider = decider_for(make_picker())
+    payload = {"model": "m", "prompt": "x"}
+    first, second = [(await process(decider, body_message(payload, request_id="same")))[0] for _ in range(2)]
+    ids = [decision_metadata(r)["request_id"] for r in (first, second)]
+    assert ids[0] != ids[1] and all(i.startswith("tdm-") for i in ids)
+    assert {decision_metadata(r)["client_request_id"] for r in (first, second)} == {"same"}
+
+
+async def test_limits_hold_inline_and_in_the_worker_process():
+    """`check_prompt_size` and the request limits run where the body is understood: a large body goes to the
+    worker process, and is refused there before it is tokenized."""
+    picker = make_picker()
+    picker.max_model_len = {"m": 64}
+    pool = UnderstandPool(1, {}, picker.config)
+    try:
+        for inline_bytes in (1 << 20, 10):  # inline, then in the worker
+            decider = decider_for(picker, pool, inline_bytes=inline_bytes)
+            huge = {"model": "m", "prompt": "word " * 1000}
+            (reply,) = await process(decider, body_message(huge))
+            assert reply.immediate_response.status.code == 400
+            assert "max_model_len" in json.loads(reply.immediate_response.body)["error"]["message"]
+            (reply,) = await process(decider, body_message({"model": "m", "prompt": "x", "n": 10**6}))
+            assert json.loads(reply.immediate_response.body)["error"]["param"] == "n"
+    finally:
+        pool.close()
+    assert picker.ledger.total_requests == 0

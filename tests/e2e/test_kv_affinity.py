@@ -53,7 +53,7 @@ def grpc_match(mesh, prompt: str) -> dict:
     tokens = load_tokenizer(None).encode(prompt)
     body = json.dumps({"request_id": "t", "model": "tandem-sim", "token_ids": tokens})
     out = subprocess.run(
-        [GRPCURL, "-plaintext", "-d", body, mesh.grpc_address, "tandem.v1.Conductor/Match"],
+        [GRPCURL, *mesh.grpcurl_flags(), "-d", body, mesh.grpc_address, "tandem.v1.Conductor/Match"],
         capture_output=True,
         text=True,
         timeout=20,

@@ -49,6 +49,8 @@ def sse_events(text: str) -> list[str]:
 def test_openai_shaped_answers(mesh, path, payload):
     reply = httpx.post(mesh.http + path, json=payload, headers={"X-Request-Id": "e2e-1"}, timeout=30)
     assert reply.status_code == 200, reply.text
+    # The engine saw an id the coordinator minted; the client gets its own back.
+    assert reply.headers["x-request-id"] == "e2e-1"
     data = reply.json()
     assert data["object"] == ("chat.completion" if "chat" in path else "text_completion")
     assert data["usage"]["completion_tokens"] == 12 and data["usage"]["prompt_tokens"] > 0
@@ -81,7 +83,10 @@ def test_openai_sdk(mesh):
 
 def test_grpcurl_lists_services_and_health(mesh):
     listed = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "list"], capture_output=True, text=True, timeout=20
+        [GRPCURL, *mesh.grpcurl_flags(), mesh.grpc_address, "list"],
+        capture_output=True,
+        text=True,
+        timeout=20,
     )
     assert listed.returncode == 0, listed.stderr
     services = set(listed.stdout.split())
@@ -90,7 +95,7 @@ def test_grpcurl_lists_services_and_health(mesh):
         check = subprocess.run(
             [
                 GRPCURL,
-                "-plaintext",
+                *mesh.grpcurl_flags(),
                 "-d",
                 json.dumps({"service": f"tandem.v1.{name}"}),
                 mesh.grpc_address,
@@ -102,7 +107,7 @@ def test_grpcurl_lists_services_and_health(mesh):
         )
         assert json.loads(check.stdout)["status"] == "SERVING", (name, check.stdout, check.stderr)
     instances = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.Admin/ListInstances"],
+        [GRPCURL, *mesh.grpcurl_flags(), mesh.grpc_address, "tandem.v1.Admin/ListInstances"],
         capture_output=True,
         text=True,
     )
@@ -110,14 +115,14 @@ def test_grpcurl_lists_services_and_health(mesh):
     assert listed_ids == ["sim-0", "sim-1"]
     # Methods of the other processes resolve through the same reflection and reach the right process.
     agent = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.NodeAgent/GetStatus"],
+        [GRPCURL, *mesh.grpcurl_flags(), mesh.grpc_address, "tandem.v1.NodeAgent/GetStatus"],
         capture_output=True,
         text=True,
     )
     assert agent.returncode == 0, agent.stderr
     assert [e["state"] for e in json.loads(agent.stdout)["engines"]] == ["ENGINE_STATE_RUNNING"] * 2
     index = subprocess.run(
-        [GRPCURL, "-plaintext", mesh.grpc_address, "tandem.v1.Conductor/GetIndexStats"],
+        [GRPCURL, *mesh.grpcurl_flags(), mesh.grpc_address, "tandem.v1.Conductor/GetIndexStats"],
         capture_output=True,
         text=True,
     )

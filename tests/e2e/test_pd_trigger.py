@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
+import ssl
 
 import httpx
 import pytest
@@ -98,9 +99,11 @@ def test_answers_equal_the_aggregated_ones_with_one_prefill_leg_each(mesh, chat)
 
 
 def test_unknown_callback_is_404_through_envoy(mesh):
-    url = f"http://{mesh.grpc_address}/v1/metaserver/c0"
+    url = f"https://{mesh.callback_address}/v1/metaserver/c0/not-a-token"
     reply = httpx.post(
-        url, json={"request_id": "cmpl-unknown-0", "remote_block_ids": [[1]], "remote_port": 1}
+        url,
+        json={"request_id": "cmpl-unknown-0", "remote_block_ids": [[1]], "remote_port": 1},
+        verify=ssl.create_default_context(cafile=str(mesh.certs / "ca.pem")),
     )
     assert reply.status_code == 404 and "no open request attempt" in reply.json()["message"]
 

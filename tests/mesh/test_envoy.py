@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mesh.certs import ensure_certs
 from mesh.config import ModelConfig, load_mesh_config, parse_mesh_config
 from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config, write_envoy_config
 from mesh.up import envoy_binary
@@ -36,19 +37,25 @@ def test_golden_rendering():
     assert "# --- ingress: the OpenAI API" in rendered  # the comments survive rendering
 
 
-@pytest.mark.parametrize("mesh_file", MESH_FILES)
-def test_real_envoy_validates_every_shipped_mesh(mesh_file, tmp_path):
-    path = write_envoy_config(load_mesh_config(ROOT / mesh_file), DESCRIPTOR, tmp_path / "envoy.yaml")
+def assert_envoy_accepts(mesh, tmp_path) -> None:
+    """The real Envoy binary accepts the bootstrap rendered for `mesh` (with certificates made for it)."""
+    ensure_certs(tmp_path / "certs", mesh)
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("mesh_file", MESH_FILES)
+def test_real_envoy_validates_every_shipped_mesh(mesh_file, tmp_path):
+    mesh = load_mesh_config(ROOT / mesh_file)
+    assert_envoy_accepts(mesh, tmp_path)
+
+
 def _ingress(mesh):
     config = build_envoy_config(mesh, DESCRIPTOR)
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm, config["static_resources"]["clusters"][0]
+    return hcm_of(config["static_resources"]["listeners"][0]), config["static_resources"]["clusters"][0]
 
 
 def test_aggregated_mesh_decides_with_ext_authz_and_never_forwards_unrouted_requests():
@@ -64,6 +71,23 @@ def test_aggregated_mesh_decides_with_ext_authz_and_never_forwards_unrouted_requ
     assert hcm["access_log"][0]["name"] == "envoy.access_loggers.http_grpc"  # how requests end
 
 
+def test_decision_calls_and_the_access_log_reach_the_coordinator_over_mutual_tls():
+    """ext_authz, ext_proc and the access log all use the `coordinator` cluster: Envoy presents its certificate and
+    accepts only the coordinator's (the coordinator allows these services to Envoy's identity only)."""
+    for raw in ({}, {"coordinator": {"pd_mode": "concurrent_engine_sync"}}):
+        mesh = parse_mesh_config(raw)
+        hcm, _ = _ingress(mesh)
+        services = [hcm["access_log"][0]["typed_config"]["common_config"]["grpc_service"]]
+        services.append(hcm["http_filters"][0]["typed_config"]["grpc_service"])
+        assert {s["envoy_grpc"]["cluster_name"] for s in services} == {"coordinator"}
+        clusters = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["clusters"]
+        coordinator = next(c for c in clusters if c["name"] == "coordinator")
+        tls = coordinator["transport_socket"]["typed_config"]["common_tls_context"]
+        assert tls["tls_certificates"] and tls["validation_context"]["match_typed_subject_alt_names"] == [
+            {"san_type": "URI", "matcher": {"exact": "spiffe://tandem/coordinator"}}
+        ]
+
+
 def test_pd_mesh_decides_with_one_ext_proc_body_message(tmp_path):
     mesh = parse_mesh_config({"coordinator": {"pd_mode": "concurrent_engine_sync"}})
     assert mesh.decision_path == "ext_proc"
@@ -75,28 +99,41 @@ def test_pd_mesh_decides_with_one_ext_proc_body_message(tmp_path):
     assert mode["response_body_mode"] == "NONE"  # tokens never reach Python
     assert hcm["http_filters"][1]["name"] == "envoy.filters.http.buffer"  # routing waits for the decision
     assert engines["original_dst_lb_config"]["metadata_key"]["key"] == "tandem"
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    # The key check needs the Authorization header, which the body message carries as an attribute.
+    assert "request.headers['authorization']" in ext_proc["request_attributes"]
+    routed = [r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if "route" in r]
+    for route in routed:  # the engine gets the minted id, the client its own back
+        assert {h["header"]["key"] for h in route["request_headers_to_add"]} == {
+            "x-request-id",
+            "x-tandem-client-request-id",
+        }
+        assert route["response_headers_to_add"][0]["header"]["key"] == "x-request-id"
+        assert "request_headers_to_remove" not in route  # no API keys: an engine may have its own
+    keyed = parse_mesh_config({"coordinator": {"pd_mode": "concurrent_engine_sync", "api_keys_env": "KEYS"}})
+    keyed_routes = _ingress(keyed)[0]["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["request_headers_to_remove"] for r in keyed_routes if "route" in r] == [["authorization"]] * 2
+    assert_envoy_accepts(mesh, tmp_path)
+
+
+def hcm_of(listener: dict) -> dict:
+    """The HTTP connection manager of a listener."""
+    filters = listener["filter_chains"][0]["filters"]
+    return next(f for f in filters if f["name"].endswith("http_connection_manager"))["typed_config"]
 
 
 def test_ipv6_listeners(tmp_path):
-    mesh = parse_mesh_config({"envoy": {"http_listen": "[::1]:8000", "grpc_listen": "[::1]:9000"}})
+    mesh = parse_mesh_config(
+        {"envoy": {"http_listen": "[::1]:8000", "grpc_listen": "[::1]:9000", "callback_listen": "[::1]:9002"}}
+    )
     listeners = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"]
     assert listeners[0]["address"]["socket_address"] == {"address": "::1", "port_value": 8000}
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_envoy_accepts(mesh, tmp_path)
 
 
 def test_engines_route_has_an_idle_timeout_and_retries_once_before_any_byte():
     mesh = parse_mesh_config({"envoy": {"upstream_idle_timeout_s": 7}})
     config = build_envoy_config(mesh, DESCRIPTOR)
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = hcm_of(config["static_resources"]["listeners"][0])
     route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
     assert route["idle_timeout"] == "7s" and route["timeout"] == "0s"
     assert route["retry_policy"] == {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 1}
@@ -116,11 +153,7 @@ def test_static_engines_cluster_lists_the_engines_and_validates(tmp_path):
     policy = engines["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
     assert policy["override_host_sources"] == [{"header": DESTINATION_HEADER}]
     assert engines["outlier_detection"]["split_external_local_origin_errors"] is True
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_envoy_accepts(mesh, tmp_path)
 
 
 def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
@@ -134,20 +167,34 @@ def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
         for e in coordinator["load_assignment"]["endpoints"][0]["lb_endpoints"]
     ]
     assert ports == [9100, 9110] and "grpc_health_check" in coordinator["health_checks"][0]
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    # Every replica cluster is mutual TLS with the coordinator's identity (decisions, access log, callbacks).
+    for name in ("coordinator", "coordinator_c0", "coordinator_c1"):
+        tls = clusters[name]["transport_socket"]["typed_config"]["common_tls_context"]
+        assert tls["validation_context"]["match_typed_subject_alt_names"][0]["matcher"] == {
+            "exact": "spiffe://tandem/coordinator"
+        }
+    # A metaserver callback reaches the replica its URL names, on the callback listener only.
+    listeners = {
+        listener["name"]: listener
+        for listener in build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"]
+    }
+    routes = hcm_of(listeners["callback"])["route_config"]["virtual_hosts"][0]["routes"]
+    by_replica = {
+        r["match"]["headers"][0]["string_match"]["prefix"]: r["route"]["cluster"]
+        for r in routes
+        if "headers" in r["match"]
+    }
+    assert by_replica == {"/v1/metaserver/c0/": "coordinator_c0", "/v1/metaserver/c1/": "coordinator_c1"}
+    control = hcm_of(listeners["control"])["route_config"]["virtual_hosts"][0]["routes"]
+    assert not any("Metaserver" in r["match"].get("prefix", "") for r in control)
+    assert_envoy_accepts(mesh, tmp_path)
 
 
 def test_a_model_with_its_own_idle_timeout_gets_a_route_for_its_engines(tmp_path):
     mesh = load_mesh_config(ROOT / "configs/default.yaml").model_copy(deep=True)
     mesh.models = [ModelConfig(name=mesh.node_agents[0].engines[0].model, upstream_idle_timeout_s=900)]
-    hcm = build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"][0]["filter_chains"][0][
-        "filters"
-    ][0]
-    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    hcm = hcm_of(build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"][0])
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     first, generic = routes[0], routes[1]
     assert first["route"]["idle_timeout"] == "900s" and generic["route"]["idle_timeout"] == "120s"
     regex = re.compile(first["match"]["headers"][0]["string_match"]["safe_regex"]["regex"])
@@ -155,8 +202,4 @@ def test_a_model_with_its_own_idle_timeout_gets_a_route_for_its_engines(tmp_path
     primary = f"{engine.host}:{engine.port}"
     assert regex.search(primary) and regex.search(f"{primary},10.9.9.9:1") and not regex.search(f"{primary}0")
     assert first["route"]["retry_policy"] == generic["route"]["retry_policy"]
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml")
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_envoy_accepts(mesh, tmp_path)

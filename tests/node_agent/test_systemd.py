@@ -79,6 +79,7 @@ def test_agent_sends_ready_then_watchdog(tmp_path):
     server.settimeout(30)
     ports = free_ports(5)
     mesh = {
+        "security": {"insecure": True},  # systemd notifications only: no coordinator or conductor runs
         "coordinator": {"listen": f"127.0.0.1:{ports[0]}"},
         "conductor": {"listen": f"127.0.0.1:{ports[1]}"},
         "node_agents": [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import httpx
 import pytest
 
@@ -71,7 +70,7 @@ def test_completions_chat_and_streaming_through_envoy(mesh):
 def holders(mesh, prompt: str) -> dict[str, int]:
     """Instance -> NPU ("GPU") blocks the conductor holds for `prompt`, from the engines' real KV events."""
     tokens = load_tokenizer(MODEL).encode(prompt)
-    with grpc.insecure_channel(mesh.grpc_address) as channel:
+    with mesh.channel() as channel:
         stub = conductor_pb2_grpc.ConductorStub(channel)
         reply = stub.Match(
             iter([conductor_pb2.MatchRequest(request_id="t", model=MODEL_NAME, token_ids=tokens)])

@@ -62,7 +62,10 @@ def test_ledger_takes_prefill_off_while_the_stream_decodes(mesh):
     body = {
         "model": MODEL_NAME,
         "prompt": "Explain Envoy's ext_proc filter. " * 20,
-        "max_tokens": 120,
+        # Long enough to still be decoding after a few progress reports (4 Hz) on a fast CPU; a random tiny model
+        # may otherwise stop at an end-of-sequence token early.
+        "max_tokens": 1500,
+        "ignore_eos": True,
         "stream": True,
     }
     with httpx.stream("POST", mesh.http + "/v1/completions", json=body, timeout=120) as reply:

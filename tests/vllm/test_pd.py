@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.helpers import metric_sum
+from tests.helpers import metric_sum, wait_until
 from tests.vllm.conftest import MODEL_NAME, real_mesh, start
 
 PROMPT = "Disaggregated serving moves the prompt's KV cache from prefill to decode. " * 6
@@ -31,6 +31,24 @@ def external_tokens(mesh, instance_id: str) -> float:
     )
 
 
+def wait_loaded(mesh, before: float) -> None:
+    """Waits until decode-0 counted external tokens beyond `before` (vLLM records its metrics after the reply); on
+    failure, says where its prompt tokens came from instead."""
+    try:
+        wait_until(
+            lambda: external_tokens(mesh, "decode-0") > before,
+            15,
+            "decode-0 loading KV through its connector",
+        )
+    except AssertionError as exc:
+        address = mesh.engine_address("decode-0")
+        sources = {
+            source: metric_sum(address, "vllm:prompt_tokens_by_source_total", source=source)
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
+        raise AssertionError(f"{exc}; decode-0's prompt tokens by source: {sources}") from None
+
+
 def test_pair_registers_as_handoff(mesh):
     engines = mesh.engines()
     for iid in ("prefill-0", "decode-0"):
@@ -47,7 +65,7 @@ def test_launched_pair_moves_kv_from_prefill_to_decode(mesh):
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
         reply = httpx.post(f"http://{mesh.engine_address(iid)}/v1/completions", json=body, timeout=180)
         assert reply.status_code == 200, reply.text
-    assert external_tokens(mesh, "decode-0") > before
+    wait_loaded(mesh, before)
 
 
 def test_pd_pair_answers_through_envoy(mesh):
@@ -60,4 +78,4 @@ def test_pd_pair_answers_through_envoy(mesh):
     )
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 8
-    assert external_tokens(mesh, "decode-0") > before
+    wait_loaded(mesh, before)
