@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.harness import free_ports
 from bench.steady_load import SteadyLoad
+from tandem import tls
 from tandem.v1 import admin_pb2, admin_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ class EtcdProcess:
 def multi_node_config(engines_per_node: int = 1, speedup: float = 10, etcd: str | None = None) -> dict:
     """Three nodes on 127.0.{1,2,3}.1, each with an agent and `engines_per_node` simengines; with an etcd endpoint,
     two coordinator replicas sharing it and two conductor replicas."""
-    ports = free_ports(7)
+    ports = free_ports(8)
     addr = [f"127.0.0.1:{p}" for p in ports]
     agents = []
     for n, host in enumerate(NODES, start=1):
@@ -119,6 +120,7 @@ def multi_node_config(engines_per_node: int = 1, speedup: float = 10, etcd: str 
             "http_listen": addr[0],
             "grpc_listen": addr[1],
             "admin_listen": addr[2],
+            "callback_listen": addr[7],
             "base_id": ports[0],
             "engines_cluster": "static",
             "upstream_idle_timeout_s": IDLE_TIMEOUT_S,
@@ -197,8 +199,12 @@ class UpProcess:
     def agent_address(self, node: str) -> str:
         return next(a["listen"] for a in self.config["node_agents"] if a["node_id"] == node)
 
+    def channel(self, address: str, server_role: str) -> grpc.Channel:
+        """A channel to one process of the mesh with the operator's certificate (`tandem up` made it)."""
+        return tls.channel(address, tls.TlsFiles.for_role(self.run_dir / "certs", "operator"), server_role)
+
     def engines(self, node: str) -> dict[str, node_agent_pb2.EngineStatus]:
-        with grpc.insecure_channel(self.agent_address(node)) as channel:
+        with self.channel(self.agent_address(node), f"agent/{node}") as channel:
             reply = node_agent_pb2_grpc.NodeAgentStub(channel).GetStatus(
                 node_agent_pb2.GetStatusRequest(), timeout=2
             )
@@ -216,7 +222,7 @@ class UpProcess:
         return f"coordinator-c{index}" if section == "coordinator" else f"conductor-{index}"
 
     def admin(self, call: str, request, address: str | None = None):
-        with grpc.insecure_channel(address or self.config["coordinator"]["listen"]) as channel:
+        with self.channel(address or self.config["coordinator"]["listen"], "coordinator") as channel:
             return getattr(admin_pb2_grpc.AdminStub(channel), call)(request, timeout=2)
 
     def healthy_instances(self) -> set[str]:
@@ -230,8 +236,8 @@ class UpProcess:
     def all_instances(self) -> set[str]:
         return {e["instance_id"] for a in self.config["node_agents"] for e in a["engines"]}
 
-    def serving(self, address: str) -> bool:
-        with grpc.insecure_channel(address) as channel:
+    def serving(self, address: str, server_role: str) -> bool:
+        with self.channel(address, server_role) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -377,7 +383,7 @@ def last_replica(section: str) -> Callable[[UpProcess], str]:
 
 def replicas_serving(section: str) -> Callable[[UpProcess], bool]:
     def ready(up: UpProcess) -> bool:
-        every = all(up.serving(a) for a in up.replicas(section))
+        every = all(up.serving(a, section) for a in up.replicas(section))
         return every and (section != "coordinator" or up.healthy_instances() == up.all_instances())
 
     return ready

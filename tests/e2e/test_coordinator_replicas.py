@@ -6,23 +6,26 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import time
 
 import grpc
 import httpx
 
 from bench.steady_load import SteadyLoad
+from tandem import tls
 from tandem.v1 import admin_pb2, admin_pb2_grpc
 from tests.helpers import RunningMesh, mesh_config
 
 
-def admin(address: str) -> admin_pb2_grpc.AdminStub:
-    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(address))
+def admin(mesh: RunningMesh, address: str) -> admin_pb2_grpc.AdminStub:
+    """The Admin service of one replica, called directly with the operator's certificate."""
+    return admin_pb2_grpc.AdminStub(tls.channel(address, mesh.tls(), "coordinator"))
 
 
-def healthy(address: str) -> set[str]:
+def healthy(mesh: RunningMesh, address: str) -> set[str]:
     try:
-        listed = admin(address).ListInstances(admin_pb2.ListInstancesRequest(), timeout=2).instances
+        listed = admin(mesh, address).ListInstances(admin_pb2.ListInstancesRequest(), timeout=2).instances
     except grpc.RpcError:
         return set()
     return {i.instance.instance_id for i in listed if i.health == 2 and not i.drained}
@@ -42,17 +45,24 @@ def test_replicas_share_instances_and_survive_one_dying(tmp_path, etcd):
         replicas = [f"{host}:{int(port) + 10 * i}" for i in range(2)]
         everyone = {"sim-0", "sim-1", "sim-2"}
         for address in replicas:
-            mesh.wait_for(lambda a=address: healthy(a) == everyone, 30, f"{address} sees every engine")
+            mesh.wait_for(lambda a=address: healthy(mesh, a) == everyone, 30, f"{address} sees every engine")
         # A drain through one replica reaches the other within a second.
-        admin(replicas[1]).DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="sim-0"), timeout=5)
-        mesh.wait_for(lambda: healthy(replicas[0]) == {"sim-1", "sim-2"}, 1.0, "drain seen by c0")
-        admin(replicas[0]).UndrainInstance(admin_pb2.UndrainInstanceRequest(instance_id="sim-0"), timeout=5)
-        mesh.wait_for(lambda: healthy(replicas[1]) == everyone, 1.0, "undrain seen by c1")
+        admin(mesh, replicas[1]).DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="sim-0"), timeout=5)
+        mesh.wait_for(lambda: healthy(mesh, replicas[0]) == {"sim-1", "sim-2"}, 1.0, "drain seen by c0")
+        admin(mesh, replicas[0]).UndrainInstance(
+            admin_pb2.UndrainInstanceRequest(instance_id="sim-0"), timeout=5
+        )
+        mesh.wait_for(lambda: healthy(mesh, replicas[1]) == everyone, 1.0, "undrain seen by c1")
 
         # A trigger callback reaches the replica its URL names, never another one.
-        callbacks = f"http://{config['envoy']['grpc_listen']}/v1/metaserver"
+        callbacks = f"https://{config['envoy']['callback_listen']}/v1/metaserver"
         for replica in ("c0", "c1", "c0", "c1", "c1", "c1"):
-            reply = httpx.post(f"{callbacks}/{replica}", json={"request_id": "no-such-attempt"}, timeout=5)
+            reply = httpx.post(
+                f"{callbacks}/{replica}/no-such-token",
+                json={"request_id": "no-such-attempt"},
+                timeout=5,
+                verify=ssl.create_default_context(cafile=str(mesh.certs / "ca.pem")),
+            )
             assert reply.status_code == 404 and "reached" not in reply.text, reply.text
 
         load = SteadyLoad(mesh.http, "tandem-sim", clients=6, timeout_s=30).start()
@@ -62,11 +72,16 @@ def test_replicas_share_instances_and_survive_one_dying(tmp_path, etcd):
             killed_at = time.monotonic()
             os.kill(status["coordinator-c1"]["pid"], signal.SIGKILL)
             # A callback for the dead replica's attempt ends at once with a clear error (no other replica has it).
-            reply = httpx.post(f"{callbacks}/c1", json={"request_id": "on-the-dead-one"}, timeout=5)
+            reply = httpx.post(
+                f"{callbacks}/c1/some-token",
+                json={"request_id": "on-the-dead-one"},
+                timeout=5,
+                verify=ssl.create_default_context(cafile=str(mesh.certs / "ca.pem")),
+            )
             assert reply.status_code == 503 and reply.elapsed.total_seconds() < 2, reply.text
             served = load.count(ok=True)
             mesh.wait_for(lambda: load.count(ok=True) >= served + 12, 60, "the other replica decides")
-            mesh.wait_for(lambda: healthy(replicas[1]) == everyone, 30, "c1 back, state from etcd")
+            mesh.wait_for(lambda: healthy(mesh, replicas[1]) == everyone, 30, "c1 back, state from etcd")
             recovered_s = time.monotonic() - killed_at
             served = load.count(ok=True)
             mesh.wait_for(lambda: load.count(ok=True) >= served + 12, 60, "load after the restart")
@@ -79,10 +94,10 @@ def test_replicas_share_instances_and_survive_one_dying(tmp_path, etcd):
         assert late == [], [o.error for o in late]  # after the ejection every new request is served
         for address in replicas:
             mesh.wait_for(
-                lambda a=address: admin(a).GetStats(admin_pb2.GetStatsRequest(), timeout=2).requests_inflight == 0,
+                lambda a=address: admin(mesh, a).GetStats(admin_pb2.GetStatsRequest(), timeout=2).requests_inflight == 0,
                 30, f"workload back to zero on {address}",
             )  # fmt: skip
-            assert admin(address).GetStats(admin_pb2.GetStatsRequest(), timeout=2).workload_tokens == 0
+            assert admin(mesh, address).GetStats(admin_pb2.GetStatsRequest(), timeout=2).workload_tokens == 0
     finally:
         if mesh.process.poll() is None:
             mesh.stop()
