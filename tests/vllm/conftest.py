@@ -46,6 +46,10 @@ def real_mesh(engines: list[tuple[str, str, str | None]], workdir: Path, **coord
     """A `tandem up` config with real vLLM engines `(instance_id, role, connector)` on free ports."""
     config = mesh_config(engines=len(engines), policy="kv_affinity", model=MODEL_NAME)
     config["models"] = [{"name": MODEL_NAME, "tokenizer": MODEL}]
+    # CPU engines on a small machine keep its cores busy and can delay the conductor's answer past the default
+    # Match deadline (20 ms: past it a request is scored on load alone, by design). These tests check what KV
+    # events do to routing, so they give the conductor more time.
+    config["coordinator"].setdefault("scheduler", {})["match_timeout_ms"] = 250
     config["coordinator"].update(coordinator)
     agent = config["node_agents"][0]
     agent["stop_grace_s"] = 20

@@ -98,5 +98,9 @@ def test_conductor_holds_real_events_and_kv_affinity_follows_them(mesh):
     for i in range(4):
         assert complete(mesh, SHARED + f" Question number {i}?").status_code == 200
     after = routed(mesh)
-    assert after[holder] - before[holder] == 4, (holder, before, after)
+    fallbacks = {
+        reason: mesh.coordinator_metric("tandem_coordinator_match_fallbacks_total", reason=reason)
+        for reason in ("timeout", "unavailable")
+    }
+    assert after[holder] - before[holder] == 4, (holder, before, after, "scored on load alone:", fallbacks)
     assert metric_sum(mesh.engine_address(holder), "vllm:prefix_cache_hits_total") > hits_before
