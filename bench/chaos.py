@@ -401,7 +401,7 @@ FAULTS = [
     Fault(
         "kill a coordinator replica",
         kill_component(last_replica("coordinator"), replicas_serving("coordinator")),
-        False,
+        True,
     ),
     Fault("kill etcd (3 s)", kill_etcd, True),
     Fault("kill Envoy", kill_component("envoy", UpProcess.envoy_ready), False),

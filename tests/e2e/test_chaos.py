@@ -1,6 +1,7 @@
 """Chaos on the multi-node loopback layout (three nodes on 127.0.{1,2,3}.1): faults in turn under steady streaming
-load. Where the mesh claims it (engine, agent, whole node, conductor, hung engine), the only failed requests are
-those already running on the process that died; every workload counter is back to zero at the end."""
+load. Where the mesh claims it (engine, agent, whole node, conductor, coordinator replica, etcd, hung engine), the
+only failed requests are those already running on the process that died; every workload counter is back to zero at
+the end."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import os
 import signal
 import ssl
 import time
+import urllib.request
 
 import grpc
 import httpx
@@ -88,10 +89,15 @@ def test_replicas_share_instances_and_survive_one_dying(tmp_path, etcd):
         finally:
             load.stop()
         failed = [o for o in load.outcomes if not o.ok]
-        late = [o for o in failed if o.started > killed_at + 2.0]
+        stats_url = (
+            f"http://{config['envoy']['admin_listen']}/stats?filter=^cluster.coordinator.upstream_rq_retry"
+        )
+        retries = urllib.request.urlopen(stats_url, timeout=5).read().decode().split()
         print(f"coordinator replica killed: {load.report()}; c1 back with every engine in {recovered_s:.1f}s; "
-              f"failed: {[(round(o.started - killed_at, 2), o.error[:60]) for o in failed]}")  # fmt: skip
-        assert late == [], [o.error for o in late]  # after the ejection every new request is served
+              f"decisions retried on the other replica: {retries}")  # fmt: skip
+        # Nothing fails: routed requests stream from their engines, and a Check the dead replica was answering is
+        # asked again of the other one.
+        assert failed == [], ([(round(o.started - killed_at, 2), o.error) for o in failed], retries)
         for address in replicas:
             mesh.wait_for(
                 lambda a=address: admin(mesh, a).GetStats(admin_pb2.GetStatsRequest(), timeout=2).requests_inflight == 0,

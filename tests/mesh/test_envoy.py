@@ -173,6 +173,15 @@ def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
         assert tls["validation_context"]["match_typed_subject_alt_names"][0]["matcher"] == {
             "exact": "spiffe://tandem/coordinator"
         }
+    # A Check that loses its replica is asked once more of another one (with one coordinator there is no other).
+    authz = hcm_of(build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"][0])["http_filters"][
+        0
+    ]
+    retry = authz["typed_config"]["grpc_service"]["retry_policy"]
+    assert retry["num_retries"] == 1 and "reset" in retry["retry_on"].split(",")
+    assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    single = hcm_of(build_envoy_config(parse_mesh_config({}), DESCRIPTOR)["static_resources"]["listeners"][0])
+    assert "retry_policy" not in single["http_filters"][0]["typed_config"]["grpc_service"]
     # A metaserver callback reaches the replica its URL names, on the callback listener only.
     listeners = {
         listener["name"]: listener
