@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 
 #: Dynamic-metadata namespace the ext_proc reply writes the decision into (destination, request id, ticket).
 METADATA_NAMESPACE = "tandem"
+#: ext_authz leaves the decision's dynamic metadata under its own filter name.
+EXT_AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 #: Where each decision filter leaves its dynamic metadata: ext_proc under the namespace the reply names,
 #: ext_authz under its own filter name.
-TICKET_NAMESPACES = (METADATA_NAMESPACE, "envoy.filters.http.ext_authz")
+TICKET_NAMESPACES = (METADATA_NAMESPACE, EXT_AUTHZ_NAMESPACE)
 TICKET_KEY = "ticket"
 
 

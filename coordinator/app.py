@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,7 +120,11 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     app = GrpcApp("coordinator", config.listen, config.metrics_listen, options=options, tls=tls, rules=RULES)
     handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url, config.callback_kv_hosts)
-    tickets = TicketTable(picker.ledger, config.ticket_lifetime_s, config.reconcile_grace_s)
+    # Ticket ids start with the replica's name: Envoy sends each replica the access log of its own tickets.
+    incarnation = f"{config.replica}.{os.urandom(4).hex()}"
+    tickets = TicketTable(
+        picker.ledger, config.ticket_lifetime_s, config.reconcile_grace_s, incarnation=incarnation
+    )
     pool = None
     if config.decision_processes:
         paths = {m.name: m.tokenizer for m in mesh.models}

@@ -13,7 +13,7 @@ from typing import Any
 import jinja2
 import yaml
 
-from coordinator.access_log import METADATA_NAMESPACE
+from coordinator.access_log import EXT_AUTHZ_NAMESPACE, METADATA_NAMESPACE
 from coordinator.decision import API_KEY_HEADERS
 from coordinator.ext_proc import REQUEST_ATTRIBUTES
 from coordinator.openai_request import ROUTED_PATHS
@@ -173,6 +173,8 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         decision=mesh.decision_path,
         routed_paths=list(ROUTED_PATHS),
         metadata_namespace=METADATA_NAMESPACE,
+        # Where the decision filter leaves the ticket in dynamic metadata (ext_authz: under its own name).
+        ticket_namespace=METADATA_NAMESPACE if mesh.decision_path == "ext_proc" else EXT_AUTHZ_NAMESPACE,
         request_attributes=list(REQUEST_ATTRIBUTES),
         # Headers the ext_proc routes remove (ext_authz removes them on the coordinator's word): the API key.
         removed_headers=list(API_KEY_HEADERS) if api_keys_configured(mesh) else [],

@@ -173,10 +173,16 @@ def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
         assert tls["validation_context"]["match_typed_subject_alt_names"][0]["matcher"] == {
             "exact": "spiffe://tandem/coordinator"
         }
+    # Each replica gets the access log of its own tickets (ids `c<i>.…`) and of requests without one.
+    ingress = hcm_of(build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"][0])
+    for i, logger in enumerate(ingress["access_log"]):
+        cluster = logger["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+        own = logger["filter"]["metadata_filter"]
+        assert cluster == f"coordinator_c{i}" and own["match_if_key_not_found"] is True
+        assert own["matcher"]["filter"] == "envoy.filters.http.ext_authz"
+        assert own["matcher"]["value"] == {"string_match": {"prefix": f"c{i}."}}
     # A Check that loses its replica is asked once more of another one (with one coordinator there is no other).
-    authz = hcm_of(build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"][0])["http_filters"][
-        0
-    ]
+    authz = ingress["http_filters"][0]
     retry = authz["typed_config"]["grpc_service"]["retry_policy"]
     assert retry["num_retries"] == 1 and "reset" in retry["retry_on"].split(",")
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
