@@ -148,6 +148,10 @@ class CoordinatorLink:
         self.registered.add(sup.name)
         if reply.HasField("heartbeat_interval"):
             self.interval_s = max(0.1, reply.heartbeat_interval.ToMilliseconds() / 1000)
+        if sup.state is not EngineState.RUNNING:
+            # It exited while the call was out: its transition found it not yet registered, so undo it here.
+            await self.deregister(sup.name, sup.detail or sup.state.name.lower())
+            return
         log.info("registered with coordinator", extra={"instance": sup.name})
         self._wake.set()
 
