@@ -90,10 +90,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     instances = InstanceTable(m.name for m in mesh.models)
     tokenizers = TokenizerCache({m.name: m.tokenizer for m in mesh.models}, load_tokenizer)
     matcher = ConductorMatcher(
-        mesh.conductor_match_address,
-        config.scheduler.match_timeout_ms / 1000,
-        tls=tls,
-        server_role=mesh.conductor_match_server,
+        mesh.conductor_match_address, config.scheduler.match_timeout_ms / 1000, tls=tls
     )
     ledger = WorkloadLedger()
     predicted = PredictedCache(config.scheduler.predicted_cache_lifetime_ms / 1000)

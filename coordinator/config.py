@@ -286,11 +286,6 @@ class MeshView(Protocol):
         """Where the Match stream goes: the conductor, or Envoy's gRPC listener in front of its replicas."""
         ...
 
-    @property
-    def conductor_match_server(self) -> str:
-        """The role whose certificate answers there (`conductor`, or `envoy` in front of replicas)."""
-        ...
-
     def model_dump(self, *, mode: Any = ..., exclude: Any = ...) -> dict[str, Any]:
         """The whole effective config (Admin/GetConfig, reload comparisons)."""
         ...

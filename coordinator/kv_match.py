@@ -40,18 +40,10 @@ class ConductorMatcher:
     """Asks the conductor which instances hold a prompt's prefix."""
 
     def __init__(
-        self,
-        address: str,
-        timeout_s: float,
-        queue_size: int = 4096,
-        tls: TlsFiles | None = None,
-        server_role: str = "conductor",
+        self, address: str, timeout_s: float, queue_size: int = 4096, tls: TlsFiles | None = None
     ) -> None:
         self.address = address
         self.tls = tls
-        self.server_role = (
-            server_role  # whose certificate answers at `address` (`envoy` in front of replicas)
-        )
         self.timeout_s = timeout_s
         self._outbox: asyncio.Queue[conductor_pb2.MatchRequest] = asyncio.Queue(maxsize=queue_size)
         self._pending: dict[str, asyncio.Future] = {}  # request id on the wire -> its answer
@@ -74,7 +66,7 @@ class ConductorMatcher:
         backoff = 0.1
         while True:
             try:
-                async with aio_channel(self.address, self.tls, self.server_role) as channel:
+                async with aio_channel(self.address, self.tls, "conductor") as channel:
                     await asyncio.wait_for(channel.channel_ready(), 5)
                     call = conductor_pb2_grpc.ConductorStub(channel).Match(self._requests())
                     self.connected = True

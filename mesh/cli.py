@@ -250,22 +250,11 @@ def _agent(
     def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
         config = mesh.node_agent(node)
         # Replicas: the agent reports through Envoy's gRPC listener, which picks a live replica.
-        via_envoy = mesh.coordinator.replicas > 1 and not config.coordinator_address
-        coordinator = config.coordinator_address or mesh.coordinator.listen
-        if via_envoy:
-            coordinator = mesh.envoy.grpc_listen
+        default = mesh.envoy.grpc_listen if mesh.coordinator.replicas > 1 else mesh.coordinator.listen
+        coordinator = config.coordinator_address or default
         conductor = [config.conductor_address] if config.conductor_address else mesh.conductor.replica_listens
         tls = component_tls(mesh, f"agent/{config.node_id}", certs)
-        return run(
-            config,
-            coordinator,
-            conductor,
-            mesh.path,
-            placement,
-            tls,
-            engine_tls_env(mesh, certs),
-            coordinator_server="envoy" if via_envoy else "coordinator",
-        )
+        return run(config, coordinator, conductor, mesh.path, placement, tls, engine_tls_env(mesh, certs))
 
     return run_component("node-agent", lambda: load_mesh_config(path), main)
 

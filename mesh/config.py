@@ -175,11 +175,6 @@ class MeshConfig(BaseModel):
         healthy replica (and to another one when that one dies)."""
         return self.envoy.grpc_listen if self.conductor.replicas > 1 else self.conductor.listen
 
-    @property
-    def conductor_match_server(self) -> str:
-        """The role whose certificate answers at `conductor_match_address` (`envoy` in front of replicas)."""
-        return "envoy" if self.conductor.replicas > 1 else "conductor"
-
     def node_agent(self, node_id: str | None) -> NodeAgentConfig:
         """The agent section for `node_id`; the only one when `node_id` is None."""
         if node_id is None:

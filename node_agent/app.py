@@ -44,16 +44,13 @@ class NodeAgent:
         placement: Placement | None = None,
         tls: TlsFiles | None = None,
         engine_env: dict[str, str] | None = None,
-        coordinator_server: str = "coordinator",
     ) -> None:
         self.config = config
         self.runtime_dir = config.runtime_path
         # False (the default): on exit the agent leaves its engines running for the next agent to adopt.
         self.stop_engines_on_exit = False
         self.supervisors: dict[str, EngineSupervisor] = {}
-        self.link = CoordinatorLink(
-            coordinator_address, config.node_id, self._engine_supervisors, tls, coordinator_server
-        )
+        self.link = CoordinatorLink(coordinator_address, config.node_id, self._engine_supervisors, tls)
         # One relay per conductor replica: every replica indexes every engine, so any of them can answer a Match.
         addresses = [conductor_address] if isinstance(conductor_address, str) else list(conductor_address)
         self.relays = [KvEventRelay(address, config.node_id, tls=tls) for address in addresses]
@@ -137,17 +134,12 @@ async def run(
     placement: Placement | None = None,
     tls: TlsFiles | None = None,
     engine_env: dict[str, str] | None = None,
-    coordinator_server: str = "coordinator",
 ) -> None:
     """Serves one node until SIGTERM. The layer above resolves the addresses; `source` names the config file;
-    with `tls`, every connection is mutual TLS and the NodeAgent service answers the operator only;
-    `coordinator_server` is the role whose certificate answers at `coordinator_address` (`envoy` in front of
-    coordinator replicas)."""
+    with `tls`, every connection is mutual TLS and the NodeAgent service answers the operator only."""
     try:
         placement = placement or Placement.from_env()
-        agent = NodeAgent(
-            config, coordinator_address, conductor_address, placement, tls, engine_env, coordinator_server
-        )
+        agent = NodeAgent(config, coordinator_address, conductor_address, placement, tls, engine_env)
         agent.prepare()
     except (LaunchError, ServiceError) as exc:
         raise ConfigError(f"{source}: node_agents {config.node_id!r}: {exc}") from None

@@ -103,14 +103,13 @@ class CoordinatorLink:
         node_id: str,
         supervisors: Callable[[], list[EngineSupervisor]],
         tls: TlsFiles | None = None,
-        server_role: str = "coordinator",
     ) -> None:
         self.address = address
         self.node_id = node_id
         self.supervisors = supervisors
         self.interval_s = 2.0
         self.registered: set[str] = set()
-        self._channel = aio_channel(address, tls, server_role, CHANNEL_OPTIONS)
+        self._channel = aio_channel(address, tls, "coordinator", CHANNEL_OPTIONS)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._wake = asyncio.Event()
         self._outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] | None = None  # of the open stream

@@ -159,7 +159,7 @@ async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, regist
             body = {
                 "model": "tandem-sim",
                 "prompt": "a long answer please",
-                "max_tokens": 120,
+                "max_tokens": 400,  # still decoding when the drain is seen, also on a busy machine
                 "ignore_eos": True,
             }
             request = asyncio.create_task(http.post(f"{sup.base_url}/v1/completions", json=body))
@@ -173,7 +173,7 @@ async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, regist
                 assert sup.state is EngineState.DRAINING and not request.done()
                 reply = await drain
             answer = await request
-        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 120
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 400
         assert reply.engine.state == node_agent_pb2.ENGINE_STATE_STOPPED and reply.engine.detail.startswith(
             "drained in"
         )
@@ -266,10 +266,10 @@ async def test_a_new_agent_adopts_the_engines_of_the_one_that_exited(tmp_path, r
     first = NodeAgent(config, registry.address, "127.0.0.1:1")
     await first.start()
     sup = first.supervisors["sim-0"]
-    await eventually(lambda: sup.state is EngineState.RUNNING, 30, "running")
+    await eventually(lambda: ("register", "sim-0") in registry.events, 30, "running and registered")
     pid = sup.process.pid
     await first.stop()  # an agent restart: the engine keeps running, recorded in the state directory
-    assert os.path.exists(f"/proc/{pid}") and ("register", "sim-0") in registry.events
+    assert os.path.exists(f"/proc/{pid}")
     assert ("deregister", "sim-0") not in registry.events
     registry.events.clear()
 
