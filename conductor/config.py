@@ -4,24 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tandem.netaddr import split_host_port
+from tandem.netaddr import Address, check_replica_addresses, replica_endpoint
 
 #: What goes first when the index reaches `max_entries`.
 #: - `oldest_first`: the holder (engine rank) with the most entries loses its oldest-stored blocks, down to 95%
 #:   of the bound; engines evict least-recently-used blocks, so the oldest stored are the likeliest gone already.
 #: - `reject_new`: entries already indexed stay, new ones are refused (and counted) until removals make room.
 EvictionPolicy = Literal["oldest_first", "reject_new"]
-
-_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-
-
-def _check_loopback(address: str) -> str:
-    host, _ = split_host_port(address)
-    if host not in _LOOPBACK:
-        raise ValueError(f"{address!r}: the conductor binds only 127.0.0.1 or [::1] (Envoy fronts it)")
-    return address
 
 
 class DirectEndpoint(BaseModel):
@@ -50,14 +41,18 @@ class ConductorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    listen: str = "127.0.0.1:9200"
-    """gRPC address (`Conductor`, health, reflection); loopback only."""
-    metrics_listen: str = "127.0.0.1:9201"
-    """Prometheus `/metrics` address; loopback only."""
+    listen: Address = "127.0.0.1:9200"
+    """gRPC address (`Conductor`, health, reflection): node agents feed it, the coordinator matches against it
+    (mutual TLS, docs/security.md)."""
+    metrics_listen: Address = "127.0.0.1:9201"
+    """Prometheus `/metrics` address."""
     replicas: int = Field(default=1, ge=1)
     """Conductor processes. Every node agent feeds every replica (each indexes every engine) and the coordinator
-    matches against any healthy one through Envoy. Replica i listens on `listen` and `metrics_listen` with the port
-    + 10 * i."""
+    matches against any healthy one through Envoy. On one host replica i listens on `listen` and `metrics_listen`
+    with the port + 10 * i (see `replica_addresses`)."""
+    replica_addresses: list[Address] = []
+    """Replicas on different hosts (e.g. Kubernetes StatefulSet pods): where replica i is reached, one `host:port`
+    per replica. Each replica then binds `listen` itself (a wildcard is allowed) and no port is shifted."""
     max_entries: int = Field(default=20_000_000, gt=0)
     """Memory bound: the most (block, holder) entries kept, about 200 bytes each (20M ~ 4 GB at worst)."""
     eviction: EvictionPolicy = "oldest_first"
@@ -76,11 +71,6 @@ class ConductorConfig(BaseModel):
     direct_queue_size: int = Field(default=10_000, gt=0)
     """Batches buffered per direct endpoint between the socket and the index; overflow is dropped and counted."""
 
-    @field_validator("listen", "metrics_listen")
-    @classmethod
-    def _loopback(cls, value: str) -> str:
-        return _check_loopback(value)
-
     @model_validator(mode="after")
     def _unique_direct(self) -> ConductorConfig:
         seen: set[tuple[str, int]] = set()
@@ -91,20 +81,25 @@ class ConductorConfig(BaseModel):
             seen.add(key)
         return self
 
+    @model_validator(mode="after")
+    def _reachable(self) -> ConductorConfig:
+        check_replica_addresses(self.listen, self.replicas, self.replica_addresses)
+        return self
+
     def replica_config(self, index: int) -> ConductorConfig:
-        """The section as replica `index` runs it (ports +10 per replica)."""
+        """The section as replica `index` runs it (for replicas on one host, ports +10 per replica)."""
         if not 0 <= index < self.replicas:
             raise ValueError(f"replica {index} out of range: replicas is {self.replicas}")
-        host, port = self.listen.rsplit(":", 1)
-        mhost, mport = self.metrics_listen.rsplit(":", 1)
+        if self.replica_addresses:
+            return self
         return self.model_copy(
             update={
-                "listen": f"{host}:{int(port) + 10 * index}",
-                "metrics_listen": f"{mhost}:{int(mport) + 10 * index}",
+                "listen": replica_endpoint(self.listen, index, []),
+                "metrics_listen": replica_endpoint(self.metrics_listen, index, []),
             }
         )
 
     @property
-    def replica_listens(self) -> list[str]:
-        """The gRPC address of every replica."""
-        return [self.replica_config(i).listen for i in range(self.replicas)]
+    def replica_endpoints(self) -> list[str]:
+        """Where every replica's gRPC server is reached."""
+        return [replica_endpoint(self.listen, i, self.replica_addresses) for i in range(self.replicas)]

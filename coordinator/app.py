@@ -234,7 +234,9 @@ async def run(
             tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))
         tasks.append(
-            asyncio.create_task(mesh_health.watch_conductor(c.app.health, mesh.conductor.listen, tls=tls))
+            asyncio.create_task(
+                mesh_health.watch_conductor(c.app.health, mesh.conductor.replica_endpoints[0], tls=tls)
+            )
         )
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
         if mesh.path and reload is not None:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, policy_types
 from coordinator.scheduling.params import as_dict
-from tandem.netaddr import Address, is_wildcard, join_host_port, split_host_port
+from tandem.netaddr import Address, check_replica_addresses, is_wildcard, replica_endpoint, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,12 @@ class CoordinatorConfig(BaseModel):
     replica: str = Field(default="c0", pattern=r"^[A-Za-z0-9_-]+$")
     """This coordinator process's name in metaserver callback URLs (`/v1/metaserver/<replica>`)."""
     replicas: int = Field(default=1, ge=1)
-    """Coordinator processes (active-active behind Envoy). Replica i is `c<i>` and listens on `listen` and
-    `metrics_listen` with the port + 10 * i; more than one needs `etcd`."""
+    """Coordinator processes (active-active behind Envoy). Replica i is `c<i>`; on one host it listens on `listen`
+    and `metrics_listen` with the port + 10 * i (see `replica_addresses`); more than one needs `etcd`."""
+    replica_addresses: list[Address] = []
+    """Replicas on different hosts (e.g. Kubernetes StatefulSet pods): where replica i is reached, one `host:port`
+    (an address or a DNS name) per replica. Each replica then binds `listen` itself (a wildcard such as
+    `0.0.0.0:9100` is allowed) and no port is shifted. Empty: replicas on one host."""
     etcd: EtcdSettings | None = None
     """Shared state of the replicas (instances as leases, drain flags); without it the coordinator keeps its state
     in memory (one replica)."""
@@ -210,22 +214,23 @@ class CoordinatorConfig(BaseModel):
             raise ValueError(
                 "etcd: required when replicas > 1 (the replicas share their instances through it)"
             )
+        check_replica_addresses(self.listen, self.replicas, self.replica_addresses)
         return self
 
     def replica_config(self, index: int) -> CoordinatorConfig:
-        """The section as replica `index` runs it: its name and its ports (+10 per replica)."""
+        """The section as replica `index` runs it: its name and, for replicas on one host, its ports (+10 each)."""
         if not 0 <= index < self.replicas:
             raise ValueError(f"replica {index} out of range: replicas is {self.replicas}")
-        listen = [split_host_port(a) for a in (self.listen, self.metrics_listen)]
-        moved = [join_host_port(host, port + 10 * index) for host, port in listen]
-        return self.model_copy(
-            update={"replica": f"c{index}", "listen": moved[0], "metrics_listen": moved[1]}
-        )
+        update: dict[str, object] = {"replica": f"c{index}"}
+        if not self.replica_addresses:
+            update["listen"] = replica_endpoint(self.listen, index, [])
+            update["metrics_listen"] = replica_endpoint(self.metrics_listen, index, [])
+        return self.model_copy(update=update)
 
     @property
-    def replica_listens(self) -> list[str]:
-        """The gRPC address of every replica."""
-        return [self.replica_config(i).listen for i in range(self.replicas)]
+    def replica_endpoints(self) -> list[str]:
+        """Where every replica's gRPC server is reached."""
+        return [replica_endpoint(self.listen, i, self.replica_addresses) for i in range(self.replicas)]
 
     @property
     def prefill_budget_s(self) -> float:
@@ -242,9 +247,9 @@ class _Model(Protocol):
     def max_model_len(self) -> int | None: ...
 
 
-class _Listener(Protocol):
+class _Replicated(Protocol):
     @property
-    def listen(self) -> str: ...
+    def replica_endpoints(self) -> list[str]: ...
 
 
 class MeshView(Protocol):
@@ -262,8 +267,8 @@ class MeshView(Protocol):
         ...
 
     @property
-    def conductor(self) -> _Listener:
-        """Where the conductor's Match service listens."""
+    def conductor(self) -> _Replicated:
+        """Where the conductor's replicas are reached."""
         ...
 
     @property

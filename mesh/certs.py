@@ -176,8 +176,16 @@ def _host(address: str | None) -> list[str]:
 def mesh_leaves(mesh: MeshConfig, extra_hosts: Iterable[str] = ()) -> list[Leaf]:
     """The certificates a mesh needs, with every address its file names for each server."""
     extra = tuple(extra_hosts)
-    envoy_hosts = _host(mesh.envoy.grpc_listen) + _host(mesh.envoy.callback_listen)
+    envoy_hosts = (
+        _host(mesh.envoy.grpc_listen) + _host(mesh.envoy.grpc_address) + _host(mesh.envoy.callback_listen)
+    )
     envoy_hosts += _host(mesh.coordinator.metaserver_address)
+    coordinator_hosts = [
+        h for a in (mesh.coordinator.listen, *mesh.coordinator.replica_addresses) for h in _host(a)
+    ]
+    conductor_hosts = [
+        h for a in (mesh.conductor.listen, *mesh.conductor.replica_addresses) for h in _host(a)
+    ]
     leaves = [
         # Envoy fronts the coordinator's and conductor's services on its control listener, so it answers to
         # their names too (a node agent may reach the Registry directly or through Envoy).
@@ -196,12 +204,12 @@ def mesh_leaves(mesh: MeshConfig, extra_hosts: Iterable[str] = ()) -> list[Leaf]
         Leaf(
             "coordinator",
             tls.identity("coordinator"),
-            (tls.server_name("coordinator"), *_host(mesh.coordinator.listen), *LOOPBACK_NAMES, *extra),
+            (tls.server_name("coordinator"), *coordinator_hosts, *LOOPBACK_NAMES, *extra),
         ),
         Leaf(
             "conductor",
             tls.identity("conductor"),
-            (tls.server_name("conductor"), *_host(mesh.conductor.listen), *LOOPBACK_NAMES, *extra),
+            (tls.server_name("conductor"), *conductor_hosts, *LOOPBACK_NAMES, *extra),
         ),
         Leaf("operator", tls.identity("operator"), ()),
     ]

@@ -249,10 +249,10 @@ def _agent(
 
     def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
         config = mesh.node_agent(node)
-        # Replicas: the agent reports through Envoy's gRPC listener, which picks a live replica.
-        default = mesh.envoy.grpc_listen if mesh.coordinator.replicas > 1 else mesh.coordinator.listen
-        coordinator = config.coordinator_address or default
-        conductor = [config.conductor_address] if config.conductor_address else mesh.conductor.replica_listens
+        coordinator = config.coordinator_address or mesh.registry_address
+        conductor = (
+            [config.conductor_address] if config.conductor_address else mesh.conductor.replica_endpoints
+        )
         tls = component_tls(mesh, f"agent/{config.node_id}", certs)
         return run(config, coordinator, conductor, mesh.path, placement, tls, engine_tls_env(mesh, certs))
 

@@ -31,6 +31,9 @@ class EnvoyConfig(BaseModel):
     grpc_listen: Address = "127.0.0.1:9000"
     """The control listener: operators' and node agents' gRPC (every `tandem.v1` service, health, reflection),
     mutual TLS with per-service authorization by certificate identity (docs/security.md)."""
+    grpc_address: Address | None = None
+    """`host:port` node agents and coordinator replicas reach the control listener at (e.g. a Kubernetes Service
+    name); `grpc_listen` when unset. Required when `grpc_listen` is a wildcard."""
     callback_listen: Address = "127.0.0.1:9002"
     """The engines' callback listener: only the metaserver callback (JSON, transcoded to `Metaserver.Trigger`),
     HTTPS with the mesh CA; each callback URL carries a per-attempt token."""
@@ -70,6 +73,19 @@ class EnvoyConfig(BaseModel):
     """A downstream connection without any stream for this long is closed."""
     max_request_headers_kb: int = Field(default=60, gt=0, le=8192)
     """Largest request header block (KiB) Envoy accepts; larger gets 431."""
+
+    @model_validator(mode="after")
+    def _control_reachable(self) -> EnvoyConfig:
+        if self.grpc_address is None and is_wildcard(split_host_port(self.grpc_listen)[0]):
+            raise ValueError(
+                "grpc_address: required when grpc_listen is a wildcard (agents and replicas must be given an "
+                "address they can reach)"
+            )
+        if self.grpc_address is not None and is_wildcard(split_host_port(self.grpc_address)[0]):
+            raise ValueError(
+                f"grpc_address: {self.grpc_address!r} is a wildcard address; name one others reach"
+            )
+        return self
 
     @field_validator("admin_listen")
     @classmethod
@@ -170,10 +186,25 @@ class MeshConfig(BaseModel):
         return f"{scheme}://{address}/v1/metaserver/{self.coordinator.replica}"
 
     @property
+    def control_address(self) -> str:
+        """Where other components reach Envoy's control listener."""
+        return self.envoy.grpc_address or self.envoy.grpc_listen
+
+    @property
     def conductor_match_address(self) -> str:
         """The coordinator's Match stream: the conductor, or with replicas Envoy's gRPC listener, which sends it to a
         healthy replica (and to another one when that one dies)."""
-        return self.envoy.grpc_listen if self.conductor.replicas > 1 else self.conductor.listen
+        if self.conductor.replicas > 1:
+            return self.control_address
+        return self.conductor.replica_endpoints[0]
+
+    @property
+    def registry_address(self) -> str:
+        """Where node agents report: the coordinator, or with replicas Envoy's gRPC listener, which picks a live
+        replica."""
+        if self.coordinator.replicas > 1:
+            return self.control_address
+        return self.coordinator.replica_endpoints[0]
 
     def node_agent(self, node_id: str | None) -> NodeAgentConfig:
         """The agent section for `node_id`; the only one when `node_id` is None."""

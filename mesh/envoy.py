@@ -21,7 +21,7 @@ from mesh.config import MeshConfig
 from node_agent.launch import Placement, registered_instance_ids
 from tandem import tls as tandem_tls
 from tandem.limits import MAX_BODY_BYTES
-from tandem.netaddr import join_host_port, split_host_port
+from tandem.netaddr import is_ip, join_host_port, split_host_port
 
 #: The template (a folder of the repository, next to the components: Envoy is a process of the mesh).
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
@@ -105,6 +105,11 @@ def _model_routes(mesh: MeshConfig) -> list[tuple[str, str, str]]:
     return routes
 
 
+def cluster_type(endpoints: list[tuple[str, int]]) -> str:
+    """Envoy's cluster type for these endpoints: STATIC when every host is an IP address, else STRICT_DNS."""
+    return "STATIC" if all(is_ip(host) for host, _ in endpoints) else "STRICT_DNS"
+
+
 def _retry_policy(engines_cluster: str) -> dict[str, object]:
     """The engines route's retry policy (explained in the template), repeated by the per-model routes."""
     policy: dict[str, object] = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 1}
@@ -144,6 +149,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         keep_trailing_newline=True,
         autoescape=False,
     )
+    env.filters["cluster_type"] = cluster_type
     envoy = mesh.envoy
     ext_proc_s = envoy.ext_proc_timeout_ms / 1000
     agents = [(a.node_id, split_host_port(a.listen)) for a in mesh.node_agents]
@@ -200,15 +206,13 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
             "idle_timeout": _seconds(envoy.idle_timeout_s),
             "max_request_headers_kb": envoy.max_request_headers_kb,
         },
-        coordinator=split_host_port(mesh.coordinator.listen),
-        coordinators=[split_host_port(a) for a in mesh.coordinator.replica_listens],
-        conductors=[split_host_port(a) for a in mesh.conductor.replica_listens],
+        coordinators=[split_host_port(a) for a in mesh.coordinator.replica_endpoints],
+        conductors=[split_host_port(a) for a in mesh.conductor.replica_endpoints],
         # One cluster per coordinator replica, for the metaserver callbacks that must reach it.
         replica_clusters=[
             (f"coordinator_c{i}", split_host_port(a), "coordinator")
-            for i, a in enumerate(mesh.coordinator.replica_listens)
+            for i, a in enumerate(mesh.coordinator.replica_endpoints)
         ],
-        conductor=split_host_port(mesh.conductor.listen),
         destination_header=DESTINATION_HEADER,
         node_header=NODE_HEADER,
         buffer_limit=BUFFER_LIMIT,

@@ -209,7 +209,9 @@ class Mesh:
         wanted = {iid for a in self.mesh.node_agents for e in a.engines for iid in registered_instance_ids(e)}
         deadline = time.monotonic() + timeout
         missing = sorted(wanted)
-        with tandem_tls.channel(self.mesh.coordinator.listen, self.tls, "coordinator") as channel:
+        with tandem_tls.channel(
+            self.mesh.coordinator.replica_endpoints[0], self.tls, "coordinator"
+        ) as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
             while missing and time.monotonic() < deadline and self.all_alive():
                 with contextlib.suppress(grpc.RpcError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import AfterValidator
@@ -40,6 +41,15 @@ def join_host_port(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def is_ip(host: str) -> bool:
+    """True for an IPv4 or IPv6 address (not a name)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def is_wildcard(host: str) -> bool:
     """True for 0.0.0.0 and ::, which can be listened on but not advertised."""
     try:
@@ -56,6 +66,36 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+#: Replicas on one host listen on the configured port + this * i.
+REPLICA_PORT_STEP = 10
+
+
+def replica_endpoint(listen: str, index: int, addresses: Sequence[str]) -> str:
+    """Where replica `index` is reached: `addresses[index]` when the config lists one address per replica (replicas
+    on different hosts, e.g. Kubernetes pods), else `listen` with the port + 10 * index (replicas on one host)."""
+    if addresses:
+        return addresses[index]
+    host, port = split_host_port(listen)
+    return join_host_port(host, port + REPLICA_PORT_STEP * index)
+
+
+def check_replica_addresses(listen: str, replicas: int, addresses: Sequence[str]) -> None:
+    """ValueError unless `addresses` is empty or has one reachable address per replica, and unless a wildcard
+    `listen` comes with them (a wildcard can be bound, not dialled)."""
+    if addresses and len(addresses) != replicas:
+        raise ValueError(f"replica_addresses: {len(addresses)} addresses for {replicas} replicas (one each)")
+    wild = [a for a in addresses if is_wildcard(split_host_port(a)[0])]
+    if wild:
+        raise ValueError(
+            f"replica_addresses: {wild[0]!r} is a wildcard address; list where each replica is reached"
+        )
+    if not addresses and is_wildcard(split_host_port(listen)[0]):
+        raise ValueError(
+            f"listen: {listen!r} is a wildcard address (it can be bound, not reached): list where each replica is "
+            "reached in replica_addresses"
+        )
 
 
 def checked_address(address: str) -> str:

@@ -121,7 +121,8 @@ def test_bad_configuration_exits_with_one_line(tmp_path):
         timeout=30,
     )
     assert out.returncode == 2
-    assert "config error" in out.stderr and "conductor.listen" in out.stderr and "127.0.0.1" in out.stderr
+    assert "config error" in out.stderr and "conductor: listen: '0.0.0.0:9200'" in out.stderr
+    assert "replica_addresses" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     cfg.write_text("conductor:\n  max_entriez: 5\n")
     out = subprocess.run(
         [sys.executable, "-m", "mesh", "conductor", "--config", str(cfg)],

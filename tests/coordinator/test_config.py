@@ -170,4 +170,4 @@ def test_replicas_need_etcd_and_get_their_own_name_and_ports():
         "127.0.0.1:9120",
         "127.0.0.1:9121",
     )
-    assert section.replica_listens == ["127.0.0.1:9100", "127.0.0.1:9110", "127.0.0.1:9120"]
+    assert section.replica_endpoints == ["127.0.0.1:9100", "127.0.0.1:9110", "127.0.0.1:9120"]

@@ -59,6 +59,16 @@ def test_default_config_loads():
             },
             "model_path is required",
         ),
+        ({"coordinator": {"listen": "0.0.0.0:9100"}}, "coordinator: listen: '0.0.0.0:9100' is a wildcard"),
+        (
+            {"coordinator": {"replicas": 2, "etcd": {}, "replica_addresses": ["c-0.svc:9100"]}},
+            "coordinator: replica_addresses: 1 addresses for 2 replicas",
+        ),
+        (
+            {"conductor": {"replica_addresses": ["0.0.0.0:9200"]}},
+            "conductor: replica_addresses: '0.0.0.0:9200'",
+        ),
+        ({"envoy": {"grpc_listen": "0.0.0.0:9000"}}, "envoy: grpc_address: required when grpc_listen"),
         ([1, 2], "expected a mapping"),
     ],
 )
@@ -101,3 +111,29 @@ def test_decision_path_follows_what_the_mesh_serves(envoy, pd_mode, role, path):
         }
     )
     assert mesh.decision_path == path
+
+
+def test_replicas_on_different_hosts_bind_listen_and_are_reached_at_their_addresses():
+    """Kubernetes: every replica binds the same wildcard port in its pod; the mesh dials each by its pod name, and
+    agents and coordinators reach Envoy's control listener by its Service name."""
+    mesh = parse_mesh_config(
+        {
+            "envoy": {"grpc_listen": "0.0.0.0:9000", "grpc_address": "envoy.tandem.svc:9000"},
+            "coordinator": {
+                "listen": "0.0.0.0:9100",
+                "replicas": 2,
+                "etcd": {"endpoint": "etcd:2379"},
+                "replica_addresses": ["coordinator-0.coordinator:9100", "coordinator-1.coordinator:9100"],
+            },
+            "conductor": {"listen": "0.0.0.0:9200", "replica_addresses": ["conductor-0.conductor:9200"]},
+        }
+    )
+    second = mesh.coordinator.replica_config(1)
+    assert (second.replica, second.listen, second.metrics_listen) == ("c1", "0.0.0.0:9100", "127.0.0.1:9101")
+    assert mesh.coordinator.replica_endpoints == [
+        "coordinator-0.coordinator:9100",
+        "coordinator-1.coordinator:9100",
+    ]
+    assert mesh.registry_address == "envoy.tandem.svc:9000"  # replicas: agents report through Envoy
+    assert mesh.conductor_match_address == "conductor-0.conductor:9200"  # one conductor: matched directly
+    assert mesh.conductor.replica_config(0).listen == "0.0.0.0:9200"

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from mesh.certs import ensure_certs
 from mesh.config import ModelConfig, load_mesh_config, parse_mesh_config
@@ -202,6 +203,43 @@ def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
     assert by_replica == {"/v1/metaserver/c0/": "coordinator_c0", "/v1/metaserver/c1/": "coordinator_c1"}
     control = hcm_of(listeners["control"])["route_config"]["virtual_hosts"][0]["routes"]
     assert not any("Metaserver" in r["match"].get("prefix", "") for r in control)
+    assert_envoy_accepts(mesh, tmp_path)
+
+
+def test_replicas_reached_by_name_are_dns_clusters_and_their_names_are_in_the_certificates(tmp_path):
+    mesh = parse_mesh_config(
+        {
+            "envoy": {"grpc_listen": "127.0.0.1:9000", "grpc_address": "envoy.tandem.svc:9000"},
+            "coordinator": {
+                "listen": "0.0.0.0:9100",
+                "replicas": 2,
+                "etcd": {"endpoint": "127.0.0.1:2379"},
+                "replica_addresses": ["coordinator-0.coordinator:9100", "coordinator-1.coordinator:9100"],
+            },
+            "conductor": {"listen": "0.0.0.0:9200", "replica_addresses": ["localhost:9200"]},
+        }
+    )
+    clusters = {c["name"]: c for c in build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["clusters"]}
+    assert clusters["coordinator"]["type"] == "STRICT_DNS"
+    hosts = [
+        e["endpoint"]["address"]["socket_address"]["address"]
+        for e in clusters["coordinator"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert hosts == ["coordinator-0.coordinator", "coordinator-1.coordinator"]
+    assert (
+        clusters["coordinator_c1"]["type"] == "STRICT_DNS" and clusters["conductor"]["type"] == "STRICT_DNS"
+    )
+    assert clusters["engines"]["type"] == "ORIGINAL_DST"
+    assert all(clusters[name]["type"] == "STATIC" for name in clusters if name.startswith("agent_"))
+    ensure_certs(tmp_path / "certs", mesh)
+    coordinator = x509.load_pem_x509_certificate((tmp_path / "certs" / "coordinator.pem").read_bytes())
+    names = coordinator.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"coordinator-0.coordinator", "coordinator-1.coordinator"} <= set(
+        names.get_values_for_type(x509.DNSName)
+    )
+    envoy = x509.load_pem_x509_certificate((tmp_path / "certs" / "envoy.pem").read_bytes())
+    names = envoy.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "envoy.tandem.svc" in names.get_values_for_type(x509.DNSName)
     assert_envoy_accepts(mesh, tmp_path)
 
 
