@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     p_envoy = sub.add_parser("envoy-config", help="print the Envoy bootstrap generated from a mesh config")
     p_envoy.add_argument("--config", required=True)
     p_envoy.add_argument("--certs-dir", default=None, help="certificates Envoy uses (see `tandem certs`)")
+    p_envoy.add_argument(
+        "--descriptor",
+        default=None,
+        help="where Envoy reads the tandem.v1 descriptor set (default: this installation's, from `make protos`)",
+    )
     p_coord = sub.add_parser("coordinator", help="run the coordinator")
     p_coord.add_argument("--config", required=True, help="mesh config file (YAML)")
     p_coord.add_argument(
@@ -128,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             except ConfigError as exc:
                 print(f"tandem envoy-config: config error: {exc}", file=sys.stderr)
                 return 2
-            print(render_envoy_config(mesh, DESCRIPTOR, certs), end="")
+            descriptor = Path(args.descriptor) if args.descriptor else DESCRIPTOR
+            print(render_envoy_config(mesh, descriptor, certs), end="")
             return 0
         from mesh.up import up
 

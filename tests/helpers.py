@@ -422,3 +422,18 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline and int(entry.name) != os.getpid():
             pids.append(int(entry.name))
     return pids
+
+
+def assert_envoy_accepts(mesh, tmp_path: Path) -> None:
+    """The real Envoy binary accepts the bootstrap rendered for `mesh` (with certificates made for it)."""
+    from mesh.certs import ensure_certs
+    from mesh.envoy import write_envoy_config
+    from mesh.up import envoy_binary
+    from tandem.protogen import DESCRIPTOR
+
+    ensure_certs(tmp_path / "certs", mesh)
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -3,7 +3,6 @@ rules, and matches the reviewed golden rendering."""
 
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,9 +10,9 @@ from cryptography import x509
 
 from mesh.certs import ensure_certs
 from mesh.config import ModelConfig, load_mesh_config, parse_mesh_config
-from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config, write_envoy_config
-from mesh.up import envoy_binary
+from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config
 from tandem.protogen import DESCRIPTOR
+from tests.helpers import assert_envoy_accepts
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden" / "envoy-default.yaml"
@@ -36,16 +35,6 @@ def test_golden_rendering():
         "template changed: rerun with TANDEM_UPDATE_GOLDEN=1 and review the diff"
     )
     assert "# --- ingress: the OpenAI API" in rendered  # the comments survive rendering
-
-
-def assert_envoy_accepts(mesh, tmp_path) -> None:
-    """The real Envoy binary accepts the bootstrap rendered for `mesh` (with certificates made for it)."""
-    ensure_certs(tmp_path / "certs", mesh)
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mesh_file", MESH_FILES)
