@@ -73,6 +73,12 @@ _NO_DESTINATION = (
 )
 
 
+_NO_COORDINATOR = (
+    '{"error": {"message": "No coordinator could decide where this request goes; retry shortly.", '
+    '"type": "ServiceUnavailableError", "param": null, "code": 503}}'
+)
+
+
 def _seconds(value: float) -> str:
     return f"{value:g}s"
 
@@ -217,6 +223,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         node_header=NODE_HEADER,
         buffer_limit=BUFFER_LIMIT,
         no_destination_body=_NO_DESTINATION,
+        no_coordinator_body=_NO_COORDINATOR,
     )
 
 

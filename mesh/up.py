@@ -229,7 +229,10 @@ class Mesh:
             if component.alive():
                 if tracker.tick(now):
                     changed = True
-                    _say(f"{component.name} is running again (stable for {tracker.policy.stable_after_s:g}s)")
+                    if tracker.restarts:  # a first start that stays up is no news
+                        _say(
+                            f"{component.name} is running again (stable for {tracker.policy.stable_after_s:g}s)"
+                        )
             elif tracker.restart_at is None:  # just exited
                 delay = tracker.exited(now)
                 changed = True

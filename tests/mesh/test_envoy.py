@@ -3,16 +3,20 @@ rules, and matches the reviewed golden rendering."""
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 from cryptography import x509
 
 from mesh.certs import ensure_certs
 from mesh.config import ModelConfig, load_mesh_config, parse_mesh_config
-from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config
+from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config, write_envoy_config
+from mesh.up import envoy_binary
 from tandem.protogen import DESCRIPTOR
-from tests.helpers import assert_envoy_accepts
+from tests.helpers import assert_envoy_accepts, free_ports, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden" / "envoy-default.yaml"
@@ -210,6 +214,7 @@ def test_replicas_reached_by_name_are_dns_clusters_and_their_names_are_in_the_ce
     )
     clusters = {c["name"]: c for c in build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["clusters"]}
     assert clusters["coordinator"]["type"] == "STRICT_DNS"
+    assert clusters["coordinator"]["dns_lookup_family"] == "V4_PREFERRED"  # localhost: 127.0.0.1, not ::1
     hosts = [
         e["endpoint"]["address"]["socket_address"]["address"]
         for e in clusters["coordinator"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
@@ -245,3 +250,45 @@ def test_a_model_with_its_own_idle_timeout_gets_a_route_for_its_engines(tmp_path
     assert regex.search(primary) and regex.search(f"{primary},10.9.9.9:1") and not regex.search(f"{primary}0")
     assert first["route"]["retry_policy"] == generic["route"]["retry_policy"]
     assert_envoy_accepts(mesh, tmp_path)
+
+
+@pytest.mark.parametrize("mesh_file", ["configs/default.yaml", "examples/pd-handoff.yaml"])
+def test_no_coordinator_is_an_openai_503_on_either_decision_path(mesh_file, tmp_path):
+    """The real Envoy with no coordinator behind it: the decision call fails, the client gets OpenAI-style JSON."""
+    ports = free_ports(5)
+    data = yaml.safe_load((ROOT / mesh_file).read_text())
+    data.pop("security", None)
+    data["envoy"] = {
+        **data.get("envoy", {}),
+        **{f"{k}_listen": f"127.0.0.1:{p}" for k, p in zip(["http", "grpc", "callback", "admin"], ports)},
+        "base_id": ports[0],
+    }
+    data["coordinator"] = {**data.get("coordinator", {}), "listen": f"127.0.0.1:{ports[4]}"}
+    mesh = parse_mesh_config(data)
+    ensure_certs(tmp_path / "certs", mesh)
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
+    envoy = subprocess.Popen(
+        [envoy_binary(), "-c", str(path), "--base-id", str(ports[0]), "--log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: _ready(f"http://127.0.0.1:{ports[3]}/ready"), 30, "Envoy ready")
+        reply = httpx.post(
+            f"http://127.0.0.1:{ports[0]}/v1/completions",
+            json={"model": "tandem-sim", "prompt": "hi"},
+            timeout=10,
+        )
+    finally:
+        envoy.terminate()
+        envoy.wait(10)
+    assert reply.status_code == 503 and reply.headers["content-type"] == "application/json"
+    assert reply.json()["error"]["type"] == "ServiceUnavailableError"
+    assert "coordinator" in reply.json()["error"]["message"]
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
