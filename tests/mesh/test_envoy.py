@@ -260,7 +260,10 @@ def test_no_coordinator_is_an_openai_503_on_either_decision_path(mesh_file, tmp_
     data.pop("security", None)
     data["envoy"] = {
         **data.get("envoy", {}),
-        **{f"{k}_listen": f"127.0.0.1:{p}" for k, p in zip(["http", "grpc", "callback", "admin"], ports)},
+        **{
+            f"{k}_listen": f"127.0.0.1:{p}"
+            for k, p in zip(["http", "grpc", "callback", "admin"], ports[:4], strict=True)
+        },
         "base_id": ports[0],
     }
     data["coordinator"] = {**data.get("coordinator", {}), "listen": f"127.0.0.1:{ports[4]}"}
