@@ -135,7 +135,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     registry = RegistryService(instances, config, picker.ledger, shared, tls_on=tls is not None)
     admin = AdminService(picker, decider.counters, mesh, shared)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
-    ext_proc = ExternalProcessor(decider, config.prefill_budget_s)
+    ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
     app.add_service(EXT_AUTHZ_SERVICE, ea_grpc.add_AuthorizationServicer_to_server, Authorization(decider))
     app.add_service(

@@ -287,6 +287,11 @@ class MeshView(Protocol):
         ...
 
     @property
+    def decision_timeout_s(self) -> float:
+        """How long Envoy waits for one decision reply (`envoy.ext_proc_timeout_ms`)."""
+        ...
+
+    @property
     def conductor_match_address(self) -> str:
         """Where the Match stream goes: the conductor, or Envoy's gRPC listener in front of its replicas."""
         ...

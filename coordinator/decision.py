@@ -158,8 +158,8 @@ class Decider:
         extend: Callable[[], Awaitable[None]] | None = None,
     ) -> Routed | Answer:
         """Decides where a POST to a routed `path` goes (its API key already checked by `without_body`). `extend`
-        is awaited before a handoff prefill leg (to extend Envoy's timer); None means the transport cannot rewrite
-        the body, so P/D modes are refused."""
+        is awaited as a handoff prefill leg begins (the transport extends Envoy's timer if the reply turns out
+        late); None means the transport cannot rewrite the body, so P/D modes are refused."""
         start = time.perf_counter()
         api = ROUTED_PATHS[path]
         request_id = ids.engine

@@ -13,7 +13,10 @@ waits for the decision. Envoy sends one message, the buffered body, with the att
 - in P/D modes, the rewritten body (Envoy fixes `content-length`);
 - or an immediate OpenAI-style error (401 without a valid API key).
 Then the coordinator closes the stream: Envoy waits on nothing more from it, and a coordinator that dies later cuts
-no request it routed. Requests outside the routed paths (`/v1/models`, health, wrong method or path) reach a route
+no request it routed. A handoff reply still waiting for its prefill leg at half of Envoy's message timeout is
+preceded by a timer extension, never sooner: the first message carries the stream's response headers, and with
+coordinator replicas Envoy opens a stream whose replica died again on another one (with the body it kept) only
+before those. Requests outside the routed paths (`/v1/models`, health, wrong method or path) reach a route
 that sends their headers instead (the body is not needed), answered at once.
 
 The engine must not get the API key either: Envoy does not apply a header mutation sent with the body when the
@@ -23,6 +26,7 @@ API keys (`envoy/envoy.yaml.j2`); `Routed.remove_headers` is applied by ext_auth
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -87,13 +91,16 @@ def routed_response(routed: Routed) -> ep.ProcessingResponse:
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
-    """One exchange per stream; see the module doc."""
+    """One exchange per stream; see the module doc. `decision_timeout_s` is Envoy's message timeout
+    (`envoy.ext_proc_timeout_ms`): a handoff reply still being decided at half of it extends it to
+    `prefill_budget_s`."""
 
-    def __init__(self, decider: Decider, prefill_budget_s: float) -> None:
+    def __init__(self, decider: Decider, prefill_budget_s: float, decision_timeout_s: float = 5.0) -> None:
         self.decider = decider
         budget = Duration()
         budget.FromMilliseconds(int(prefill_budget_s * 1000))
         self._extend_timeout = ep.ProcessingResponse(override_message_timeout=budget)
+        self._extend_after_s = decision_timeout_s / 2
 
     async def Process(self, request_iterator, context) -> None:
         # The read/write API rather than a generator: the handoff's timer extension must leave while the
@@ -143,17 +150,42 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             await context.write(immediate(answer))
             return
 
-        async def extend() -> None:
-            await context.write(self._extend_timeout)
+        # The timer extension leaves only if the reply is late (a prefill leg still running at half of Envoy's
+        # timer). Sent at once, it would be the stream's first message, with its response headers, and Envoy
+        # retries a stream on another coordinator replica only before those: a replica killed during a short
+        # leg would fail the request instead of having it decided again.
+        writing = asyncio.Lock()  # the reply never interleaves with the extension
+        extension: asyncio.Task | None = None
+        extend_at = asyncio.get_running_loop().time() + self._extend_after_s
 
-        outcome = await self.decider.route(path, message.request_body.body, ids, extend)
-        if isinstance(outcome, Answer):
-            await context.write(immediate(outcome))
-            return
-        tickets = self.decider.tickets
+        async def extend_later() -> None:
+            await asyncio.sleep(extend_at - asyncio.get_running_loop().time())
+            async with writing:
+                try:
+                    await context.write(self._extend_timeout)
+                except Exception:  # the stream is gone: the reply's write finds out too
+                    log.debug("timer extension not sent", exc_info=True)
+
+        async def extend() -> None:
+            nonlocal extension
+            extension = asyncio.create_task(extend_later())
+
         try:
-            await context.write(routed_response(outcome))
-        except BaseException:  # the stream is gone: the decision never reached Envoy
-            tickets.abort(outcome.ticket)
+            outcome = await self.decider.route(path, message.request_body.body, ids, extend)
+        except BaseException:
+            if extension is not None:
+                extension.cancel()
             raise
-        tickets.routed(outcome.ticket)
+        async with writing:
+            if extension is not None:
+                extension.cancel()  # not written yet (or already written): the reply follows
+            if isinstance(outcome, Answer):
+                await context.write(immediate(outcome))
+                return
+            tickets = self.decider.tickets
+            try:
+                await context.write(routed_response(outcome))
+            except BaseException:  # the stream is gone: the decision never reached Envoy
+                tickets.abort(outcome.ticket)
+                raise
+            tickets.routed(outcome.ticket)

@@ -178,6 +178,11 @@ class MeshConfig(BaseModel):
         return self.envoy.engines_cluster == "static" and self.decision_path == "ext_authz"
 
     @property
+    def decision_timeout_s(self) -> float:
+        """How long Envoy waits for one decision reply (its ext_authz timeout, ext_proc's message timeout)."""
+        return self.envoy.ext_proc_timeout_ms / 1000
+
+    @property
     def metaserver_url(self) -> str:
         """The callback URL decode engines get in trigger mode (Envoy's callback listener; HTTPS unless insecure);
         it names this coordinator process, and the coordinator appends a per-attempt token."""

@@ -21,7 +21,7 @@ from coordinator.handoff import HandoffRunner
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
-from tests.helpers import make_picker, pd_picker
+from tests.helpers import eventually, make_picker, pd_picker
 
 URL = "http://127.0.0.1:9000/v1/metaserver/c0"
 
@@ -176,18 +176,24 @@ async def test_ext_authz_check_routes_with_a_header_and_denies_with_openai_json(
     assert json.loads(models.denied_response.body)["object"] == "list"
 
 
-async def test_client_gone_during_prefill_leg_releases_everything():
+async def test_a_late_prefill_leg_extends_envoys_timer_and_a_client_gone_releases_everything():
     from aiohttp import web
 
     started, done = asyncio.Event(), asyncio.Event()
+    legs = 0
 
-    async def slow(request):
-        started.set()
-        await done.wait()
-        return web.json_response({})
+    async def prefill(request):
+        nonlocal legs
+        legs += 1
+        if legs > 1:  # the second leg runs until the test lets it go
+            started.set()
+            await done.wait()
+        return web.json_response(
+            {"choices": [{"text": "x"}], "kv_transfer_params": {"remote_block_ids": [7]}}
+        )
 
     app = web.Application()
-    app.router.add_post("/v1/completions", slow)
+    app.router.add_post("/v1/completions", prefill)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -195,11 +201,24 @@ async def test_client_gone_during_prefill_leg_releases_everything():
     port = site._server.sockets[0].getsockname()[1]
     picker = pd_picker([f"127.0.0.1:{port}"])
     decider = decider_for(picker)
-    stream = FakeStream(body_message({"model": "m", "prompt": "hello", "stream": True}))
-    task = asyncio.create_task(ExternalProcessor(decider, 15.0).Process(None, stream))
+    processor = ExternalProcessor(decider, 15.0, decision_timeout_s=1.0)  # a leg is late after 0.5 s
+    payload = {"model": "m", "prompt": "hello", "stream": True}
+    # A leg answered in time: the decision is the stream's only message. (The first message carries the stream's
+    # response headers, and Envoy retries a stream on another coordinator replica only before those.)
+    fast = FakeStream(body_message(payload))
+    await processor.Process(None, fast)
+    (reply,) = fast.written
+    assert json.loads(reply.request_body.response.body_mutation.body)["kv_transfer_params"] == {
+        "remote_block_ids": [7]
+    }
+    assert decider.tickets.end(decision_metadata(reply)["ticket"]) and picker.ledger.total_requests == 0
+    # A late leg: the timer extension leaves at half of Envoy's timer, not before.
+    stream = FakeStream(body_message(payload))
+    task = asyncio.create_task(processor.Process(None, stream))
     await asyncio.wait_for(started.wait(), 5)
-    assert picker.ledger.total_requests == 2  # decode leg and prefill leg
-    assert stream.written[0].HasField("override_message_timeout")  # sent before the leg ran
+    assert picker.ledger.total_requests == 2 and stream.written == []  # decode leg and prefill leg
+    await eventually(lambda: stream.written, 5, "the late leg's timer extension")
+    assert stream.written[0].HasField("override_message_timeout")
     task.cancel()  # Envoy resets the stream: the client went away
     await asyncio.gather(task, return_exceptions=True)
     assert picker.ledger.total_requests == 0 and picker.ledger.total_tokens == 0

@@ -151,9 +151,8 @@ def test_static_engines_cluster_lists_the_engines_and_validates(tmp_path):
 
 
 def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
-    mesh = parse_mesh_config(
-        {"coordinator": {"listen": "127.0.0.1:9100", "replicas": 2, "etcd": {"endpoint": "127.0.0.1:2379"}}}
-    )
+    section = {"listen": "127.0.0.1:9100", "replicas": 2, "etcd": {"endpoint": "127.0.0.1:2379"}}
+    mesh = parse_mesh_config({"coordinator": section})
     clusters = {c["name"]: c for c in build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["clusters"]}
     coordinator = clusters["coordinator"]
     ports = [
@@ -182,6 +181,14 @@ def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     single = hcm_of(build_envoy_config(parse_mesh_config({}), DESCRIPTOR)["static_resources"]["listeners"][0])
     assert "retry_policy" not in single["http_filters"][0]["typed_config"]["grpc_service"]
+    # So is an ext_proc stream (P/D meshes) that loses its replica before the reply began.
+    pd = parse_mesh_config({"coordinator": {**section, "pd_mode": "prefill_handoff_decode"}})
+    ingress = hcm_of(build_envoy_config(pd, DESCRIPTOR)["static_resources"]["listeners"][0])
+    ext_proc = ingress["http_filters"][0]
+    assert ext_proc["name"] == "envoy.filters.http.ext_proc"
+    assert ext_proc["typed_config"]["grpc_service"]["retry_policy"] == retry
+    (tmp_path / "pd").mkdir()
+    assert_envoy_accepts(pd, tmp_path / "pd")
     # A metaserver callback reaches the replica its URL names, on the callback listener only.
     listeners = {
         listener["name"]: listener
