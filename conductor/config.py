@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tandem.netaddr import Address, check_replica_addresses, replica_endpoint
+from tandem.netaddr import Address, check_replica_addresses, replica_endpoint, replica_listen
 
 #: What goes first when the index reaches `max_entries`.
 #: - `oldest_first`: the holder (engine rank) with the most entries loses its oldest-stored blocks, down to 95%
@@ -94,8 +94,8 @@ class ConductorConfig(BaseModel):
             return self
         return self.model_copy(
             update={
-                "listen": replica_endpoint(self.listen, index, []),
-                "metrics_listen": replica_endpoint(self.metrics_listen, index, []),
+                "listen": replica_listen(self.listen, index),
+                "metrics_listen": replica_listen(self.metrics_listen, index),
             }
         )
 

@@ -11,7 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, policy_types
 from coordinator.scheduling.params import as_dict
-from tandem.netaddr import Address, check_replica_addresses, is_wildcard, replica_endpoint, split_host_port
+from tandem.netaddr import (
+    Address,
+    check_replica_addresses,
+    is_wildcard,
+    replica_endpoint,
+    replica_listen,
+    split_host_port,
+)
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +230,8 @@ class CoordinatorConfig(BaseModel):
             raise ValueError(f"replica {index} out of range: replicas is {self.replicas}")
         update: dict[str, object] = {"replica": f"c{index}"}
         if not self.replica_addresses:
-            update["listen"] = replica_endpoint(self.listen, index, [])
-            update["metrics_listen"] = replica_endpoint(self.metrics_listen, index, [])
+            update["listen"] = replica_listen(self.listen, index)
+            update["metrics_listen"] = replica_listen(self.metrics_listen, index)
         return self.model_copy(update=update)
 
     @property

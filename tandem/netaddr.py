@@ -72,13 +72,16 @@ def is_loopback(host: str) -> bool:
 REPLICA_PORT_STEP = 10
 
 
-def replica_endpoint(listen: str, index: int, addresses: Sequence[str]) -> str:
-    """Where replica `index` is reached: `addresses[index]` when the config lists one address per replica (replicas
-    on different hosts, e.g. Kubernetes pods), else `listen` with the port + 10 * index (replicas on one host)."""
-    if addresses:
-        return addresses[index]
+def replica_listen(listen: str, index: int) -> str:
+    """Where replica `index` of several on one host listens: `listen` with the port + 10 * index."""
     host, port = split_host_port(listen)
     return join_host_port(host, port + REPLICA_PORT_STEP * index)
+
+
+def replica_endpoint(listen: str, index: int, addresses: Sequence[str]) -> str:
+    """Where replica `index` is reached: `addresses[index]` when the config lists one address per replica (replicas
+    on different hosts, e.g. Kubernetes pods), else its `replica_listen` (replicas on one host)."""
+    return addresses[index] if addresses else replica_listen(listen, index)
 
 
 def check_replica_addresses(listen: str, replicas: int, addresses: Sequence[str]) -> None:
