@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import kubernetes_validate
@@ -15,6 +16,7 @@ import yaml
 
 from mesh.certs import ensure_certs
 from mesh.config import MeshConfig, load_mesh_config
+from mesh.up import envoy_binary
 from tandem.netaddr import split_host_port
 from tandem.tls import file_stem
 from tandem.version import __version__
@@ -181,8 +183,12 @@ def test_envoy_reads_the_bootstrap_and_descriptor_its_init_container_renders(mes
     envoy = container(spec, "envoy")
     assert envoy["args"][envoy["args"].index("-c") + 1] == str(output)
     assert mount_of(spec, envoy, lambda v: "emptyDir" in v) == rendered
-    # The bootstrap that mesh file renders is one the real Envoy accepts (names resolved by DNS clusters).
+    # The bootstrap that mesh file renders is one the real Envoy accepts (names resolved by DNS clusters), with the
+    # container's flags.
     assert_envoy_accepts(mesh, tmp_path)
+    args = [str(tmp_path / "envoy.yaml") if a == str(output) else a for a in envoy["args"]]
+    result = subprocess.run([envoy_binary(), "--mode", "validate", *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_each_pod_gets_the_ca_and_its_own_certificate_only(mesh, tmp_path):
