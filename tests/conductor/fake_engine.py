@@ -62,6 +62,9 @@ class FakeEngine:
         self.topic_in_replay = topic_in_replay
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        # Every subscription reaches wait_subscriber, also one for a topic a departing subscriber still holds (a
+        # restarted conductor subscribes before the old connection is torn down).
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.router = ctx.socket(zmq.ROUTER)
@@ -74,8 +77,14 @@ class FakeEngine:
         self._task = asyncio.create_task(self._serve_replay())
 
     async def wait_subscriber(self, timeout: float = 5.0) -> None:
-        """Waits for a SUB to subscribe (XPUB hands us the subscription message)."""
-        await asyncio.wait_for(self.pub.recv(), timeout)
+        """Waits for a SUB to subscribe (XPUB hands us the subscription message, `\x01` + topic; a departed
+        subscriber's `\x00` unsubscription is skipped)."""
+
+        async def subscribed() -> None:
+            while not (await self.pub.recv()).startswith(b"\x01"):
+                pass
+
+        await asyncio.wait_for(subscribed(), timeout)
 
     def publish(self, events, drop: bool = False, **kw) -> int:
         """Publishes one batch (or only buffers it when `drop`, to make a gap); returns its sequence."""
