@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.harness import free_ports
 from bench.steady_load import SteadyLoad
+from mesh.config import parse_mesh_config
 from tandem import tls
 from tandem.v1 import admin_pb2, admin_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
 
@@ -211,9 +212,8 @@ class UpProcess:
         return {e.instance.instance_id: e for e in reply.engines}
 
     def replicas(self, section: str) -> list[str]:
-        """gRPC addresses of the coordinator's or conductor's replicas (port + 10 per replica)."""
-        host, port = self.config[section]["listen"].rsplit(":", 1)
-        return [f"{host}:{int(port) + 10 * i}" for i in range(self.config[section].get("replicas", 1))]
+        """gRPC addresses of the coordinator's or conductor's replicas."""
+        return getattr(parse_mesh_config(self.config), section).replica_endpoints
 
     def component(self, section: str, index: int) -> str:
         """The name `tandem up` gives a replica."""

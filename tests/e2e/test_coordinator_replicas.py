@@ -14,6 +14,7 @@ import grpc
 import httpx
 
 from bench.steady_load import SteadyLoad
+from mesh.config import parse_mesh_config
 from tandem import tls
 from tandem.v1 import admin_pb2, admin_pb2_grpc
 from tests.helpers import RunningMesh, mesh_config
@@ -32,6 +33,14 @@ def healthy(mesh: RunningMesh, address: str) -> set[str]:
     return {i.instance.instance_id for i in listed if i.health == 2 and not i.drained}
 
 
+def replicas_seeing(mesh: RunningMesh, everyone: set[str]) -> list[str]:
+    """The coordinator replicas' addresses, once each of them sees every engine of `everyone` healthy."""
+    replicas = parse_mesh_config(mesh.config).coordinator.replica_endpoints
+    for address in replicas:
+        mesh.wait_for(lambda a=address: healthy(mesh, a) == everyone, 30, f"{address} sees every engine")
+    return replicas
+
+
 def test_replicas_share_instances_and_survive_one_dying(tmp_path, etcd):
     config = mesh_config(engines=3, engine_args=["--speedup", "10"])
     config["coordinator"].update(
@@ -42,11 +51,8 @@ def test_replicas_share_instances_and_survive_one_dying(tmp_path, etcd):
     mesh = RunningMesh(config, tmp_path)
     mesh.start()
     try:
-        host, port = config["coordinator"]["listen"].rsplit(":", 1)
-        replicas = [f"{host}:{int(port) + 10 * i}" for i in range(2)]
         everyone = {"sim-0", "sim-1", "sim-2"}
-        for address in replicas:
-            mesh.wait_for(lambda a=address: healthy(mesh, a) == everyone, 30, f"{address} sees every engine")
+        replicas = replicas_seeing(mesh, everyone)
         # A drain through one replica reaches the other within a second.
         admin(mesh, replicas[1]).DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="sim-0"), timeout=5)
         mesh.wait_for(lambda: healthy(mesh, replicas[0]) == {"sim-1", "sim-2"}, 1.0, "drain seen by c0")

@@ -11,7 +11,7 @@ import urllib.request
 
 from bench.steady_load import SteadyLoad
 from tandem.v1 import admin_pb2
-from tests.e2e.test_coordinator_replicas import admin, healthy
+from tests.e2e.test_coordinator_replicas import admin, healthy, replicas_seeing
 from tests.helpers import RunningMesh, mesh_config
 
 
@@ -39,11 +39,8 @@ def test_a_replica_killed_during_prefill_legs_fails_no_request(tmp_path, etcd):
     mesh = RunningMesh(config, tmp_path)
     mesh.start()
     try:
-        host, port = config["coordinator"]["listen"].rsplit(":", 1)
-        replicas = [f"{host}:{int(port) + 10 * i}" for i in range(2)]
         everyone = {"prefill-0", "prefill-1", "decode-0"}
-        for address in replicas:
-            mesh.wait_for(lambda a=address: healthy(mesh, a) == everyone, 30, f"{address} sees every engine")
+        replicas = replicas_seeing(mesh, everyone)
 
         def stats(address: str) -> admin_pb2.GetStatsResponse:
             return admin(mesh, address).GetStats(admin_pb2.GetStatsRequest(), timeout=2)
