@@ -176,14 +176,17 @@ def send(engine: Engine, case: Case) -> Answer:
 
 #: Maps keyed by data (token text or id), compared as "any key -> one value shape": logprobs' top alternatives.
 DATA_KEYED = (".logprobs.top_logprobs[]", "prompt_logprobs[]")
+#: Lists with one entry per token (the logprobs' alternatives of each token): reduced to their distinct entry shapes,
+#: like lists of scalars, since how many tokens one stream chunk carries follows timing (a busy vLLM sends two).
+PER_TOKEN = (".logprobs.top_logprobs",)
 #: Shape of an empty list of scalars: matches a list of any scalar type.
 EMPTY = "list of nothing"
 
 
 def shape(value: Any, path: str = "") -> Any:
     """Structure of a JSON value: dicts by key, lists element by element, scalars by type. Lists of scalars
-    (token ids, bytes, offsets) reduce to their distinct types, maps keyed by data to one entry: their lengths
-    follow the generated text, not the wire format."""
+    (token ids, bytes, offsets) reduce to their distinct types, per-token lists to their distinct entry shapes, maps
+    keyed by data to one entry: their lengths follow the generated text, not the wire format."""
     if isinstance(value, dict):
         if path.endswith(DATA_KEYED):
             shapes = {json.dumps(shape(v, path + ".*"), sort_keys=True) for v in value.values()}
@@ -194,6 +197,9 @@ def shape(value: Any, path: str = "") -> Any:
             return [EMPTY]
         if all(not isinstance(v, dict | list) for v in value):
             return ["list of " + "|".join(sorted({shape(v) for v in value}))]
+        if path.endswith(PER_TOKEN):
+            distinct = {json.dumps(shape(v, path + "[]"), sort_keys=True) for v in value}
+            return [json.loads(s) for s in sorted(distinct)]
         return [shape(v, path + "[]") for v in value]
     if value is None:
         return "null"

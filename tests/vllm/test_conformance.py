@@ -16,6 +16,7 @@ from tests.vllm.conformance import (
     compare,
     replay,
     send,
+    shape,
     start_engines,
     unexplained,
     wait_until,
@@ -266,3 +267,12 @@ def test_every_hash_algorithm_is_vllms():
             parent = hasher.hash_block(parent, block, (("cache_salt", "tenant"),) if i == 0 else None)
             got.append(to_event_hash(parent))
         assert got == chain, algo
+
+
+def test_a_chunk_carrying_two_tokens_has_the_shape_of_one_carrying_one():
+    """A busy vLLM streams two tokens in one chunk: per-token lists compare by their entries' shapes, not length;
+    an entry of another shape still differs."""
+    chunk = {"choices": [{"logprobs": {"top_logprobs": [{"a": -1.0}, {"b": -2.0}], "tokens": ["a", "b"]}}]}
+    one = {"choices": [{"logprobs": {"top_logprobs": [{"c": -1.0}], "tokens": ["c"]}}]}
+    other = {"choices": [{"logprobs": {"top_logprobs": [{"c": "x"}], "tokens": ["c"]}}]}
+    assert shape(chunk) == shape(one) and shape(other) != shape(one)
