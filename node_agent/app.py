@@ -14,11 +14,11 @@ from prometheus_client import REGISTRY
 
 from node_agent.config import NodeAgentConfig
 from node_agent.coordinator_link import CoordinatorLink
+from node_agent.grpc_service import NodeAgentService
 from node_agent.kv_relay import KvEventRelay
 from node_agent.launch import LaunchError, Placement
+from node_agent.local_services import ServiceError, build_services
 from node_agent.metrics import AgentCollector
-from node_agent.service import NodeAgentService
-from node_agent.services import ServiceError, build_services
 from node_agent.supervisor import EngineState, EngineSupervisor
 from node_agent.systemd import SystemdNotify
 from tandem.config_file import ConfigError

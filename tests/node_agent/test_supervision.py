@@ -14,9 +14,9 @@ import pytest
 
 from node_agent.app import NodeAgent
 from node_agent.config import NodeAgentConfig, RestartPolicy
+from node_agent.grpc_service import NodeAgentService
 from node_agent.launch import LaunchSpec
 from node_agent.processes import start_ticks
-from node_agent.service import NodeAgentService
 from node_agent.supervisor import EngineState, EngineSupervisor, backoff_delay
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2, registry_pb2_grpc
 from tests.helpers import eventually, free_ports
@@ -239,7 +239,7 @@ async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
 
 
 async def test_combined_store_env_reaches_engines_and_missing_binaries_fail_prepare(tmp_path, registry):
-    from node_agent.services import ServiceError
+    from node_agent.local_services import ServiceError
 
     ports = free_ports(3)
     config = NodeAgentConfig(
