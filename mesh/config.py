@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
-from mesh.restarts import RestartPolicy
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
 from tandem.netaddr import Address, is_loopback, is_wildcard, split_host_port
@@ -109,6 +108,23 @@ class SecurityConfig(BaseModel):
     """Where the CA and component certificates are (`tandem certs --dir`). Unset: `tandem up` creates them in
     `<run-dir>/certs`; a component started alone (`tandem coordinator ...`) needs it, or `--certs-dir`. A relative
     path is relative to the mesh file."""
+
+
+class RestartPolicy(BaseModel):
+    """`up.restart`: how `tandem up` restarts a component (conductor, coordinator, Envoy, an agent) that exits
+    (`tandem.restarts`). A FAILED component is still retried every `max_backoff_s`: the others keep serving, and an
+    etcd or a port that comes back heals it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    initial_backoff_s: float = Field(default=0.5, gt=0)
+    """Delay before the first restart after an exit."""
+    max_backoff_s: float = Field(default=30.0, gt=0)
+    """Cap of the doubling delay; also the retry interval of a FAILED component."""
+    stable_after_s: float = Field(default=60.0, gt=0)
+    """A run at least this long resets the count of quick exits."""
+    failed_after: int = Field(default=5, ge=1)
+    """Quick exits in a row after which the component is reported FAILED (it is still retried)."""
 
 
 class UpConfig(BaseModel):

@@ -1,7 +1,7 @@
 """`tandem up`: the whole mesh on one machine (conductor, coordinator, Envoy, node agents and their engines).
 
 Each component runs as its own process with its log in the run directory. A component that exits while the mesh
-runs is started again after a backoff (`mesh.restarts`: doubling, reset after a stable run, reported FAILED after a
+runs is started again after a backoff (`tandem.restarts`: doubling, reset after a stable run, reported FAILED after a
 crash loop and still retried); the mesh never stops on its own, and `run/status.json` shows each component's
 state. A restarted agent adopts the engines its predecessor left running; a restarted conductor rebuilds its index
 from the engines' replay buffers. Ctrl-C (or SIGTERM) stops them in order (agents first, asked to stop their
@@ -28,10 +28,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mesh.certs import CertError, ensure_certs
 from mesh.config import MeshConfig
 from mesh.envoy import write_envoy_config
-from mesh.restarts import ComponentState, RestartTracker
 from mesh.security import CERTS_ENV, certs_dir
 from tandem import tls as tandem_tls
 from tandem.protogen import DESCRIPTOR
+from tandem.restarts import RestartState, RestartTracker
 from tandem.tls import TlsFiles
 from tandem.v1 import admin_pb2, admin_pb2_grpc
 
@@ -237,7 +237,7 @@ class Mesh:
                 delay = tracker.exited(now)
                 changed = True
                 what = f"{component.name} exited (code {component.exit_code})"
-                if tracker.state is ComponentState.FAILED:
+                if tracker.state is RestartState.FAILED:
                     _say(
                         f"{what}; FAILED after {tracker.quick_exits} quick exits in a row, retrying every "
                         f"{delay:g}s; the rest of the mesh keeps serving. Last lines of {component.log_path}:\n"

@@ -45,7 +45,8 @@ def _placeholder(value: Any) -> Any:
 
 
 class RestartPolicy(BaseModel):
-    """How a crashed engine is restarted: exponential backoff, then give up after a crash loop."""
+    """How a crashed engine is restarted (`tandem.restarts`): exponential backoff, then give up after a crash loop
+    (left FAILED until `NodeAgent.Launch`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -57,6 +58,11 @@ class RestartPolicy(BaseModel):
     """Crashes in a row (each before `stable_after_s`) after which the engine is left FAILED."""
     stable_after_s: float = Field(default=60.0, gt=0)
     """A run at least this long resets the crash count and the backoff."""
+
+    @property
+    def failed_after(self) -> int:
+        """The tracker's name for `max_consecutive_failures` (`tandem.restarts.BackoffPolicy`)."""
+        return self.max_consecutive_failures
 
 
 class EngineConfig(BaseModel):

@@ -40,6 +40,7 @@ from node_agent.processes import (
 )
 from tandem.engine_load import EngineLoad, parse_load
 from tandem.netaddr import join_host_port, split_host_port
+from tandem.restarts import RestartState, RestartTracker
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,6 @@ class EngineState(enum.Enum):
     STOPPED = 4
     FAILED = 5
     DRAINING = 6
-
-
-def backoff_delay(policy: RestartPolicy, consecutive_failures: int) -> float:
-    """Exponential: initial, 2x initial, ... capped at `max_backoff_s`."""
-    return min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** max(0, consecutive_failures - 1))
 
 
 @dataclass(slots=True)
@@ -92,7 +88,7 @@ class EngineSupervisor:
         self.name = spec.name
         self.health_timeout_s = health_timeout_s or (engine.health_timeout_s if engine else 60.0)
         self.tcp_health = tcp_health  # host:port that accepts connections once the process is up
-        self.policy = policy
+        self.tracker = RestartTracker(policy)  # crashes in a row, backoff, restarts so far
         self.log_path = log_path
         self.probe_interval_s = probe_interval_s
         self.load_interval_s = load_interval_s or probe_interval_s  # how often `/metrics` is scraped
@@ -107,15 +103,17 @@ class EngineSupervisor:
         self.detail = ""
         self.healthy = False
         self.load = EngineLoad()
-        self.restarts = 0
-        self.consecutive_failures = 0
         self.last_exit_code: int | None = None
-        self.started_at = 0.0  # monotonic, for the crash-loop rule
         self.started_wall = 0.0  # wall clock, for status
         self.process: EngineProcess | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._replaced: EngineProcess | None = None  # a recorded process to stop before launching
+
+    @property
+    def restarts(self) -> int:
+        """Restarts so far (carried over from the agent that launched an adopted process)."""
+        return self.tracker.restarts
 
     @property
     def base_url(self) -> str:
@@ -149,7 +147,7 @@ class EngineSupervisor:
         launches the engine; a no-op while already supervised."""
         if self._task is None or self._task.done():
             self._stopping = False
-            self.consecutive_failures = 0
+            self.tracker.reset()
             adopted = self._adopt() if adopt else None
             self._task = asyncio.create_task(self._supervise(adopted), name=f"engine-{self.name}")
 
@@ -172,7 +170,7 @@ class EngineSupervisor:
             )
             self._replaced = process
             return None
-        self.restarts = record.restarts
+        self.tracker.restarts = record.restarts
         self.started_wall = record.launched_at
         log.info("adopted running process", extra={**self._log_fields(), "pid": record.pid})
         return process
@@ -261,26 +259,22 @@ class EngineSupervisor:
                 if self.state_dir is not None:
                     remove_record(self.state_dir, self.name)
                 self.last_exit_code = code
-                ran_for = time.monotonic() - self.started_at
-                self.consecutive_failures = (
-                    1 if ran_for >= self.policy.stable_after_s else self.consecutive_failures + 1
-                )
-                if self.consecutive_failures >= self.policy.max_consecutive_failures:
+                delay = self.tracker.exited(time.monotonic())
+                if self.tracker.state is RestartState.FAILED:  # the agent gives up (`tandem up` would retry)
                     await self._set(
                         EngineState.FAILED,
-                        f"exited with code {code}; {self.consecutive_failures} failures in a row, not restarting "
+                        f"exited with code {code}; {self.tracker.quick_exits} failures in a row, not restarting "
                         f"(log: {self.log_path})",
                     )
                     log.error("engine crash loop, giving up", extra=self._log_fields())
                     return
-                delay = backoff_delay(self.policy, self.consecutive_failures)
                 how = (
                     f"exited with code {code}" if code is not None else "exited (adopted: exit code unknown)"
                 )
                 await self._set(EngineState.BACKOFF, f"{how}, restart in {delay:g}s")
                 log.warning("engine exited, restarting", extra={**self._log_fields(), "delay_s": delay})
                 await asyncio.sleep(delay)
-                self.restarts += 1
+                self.tracker.restarts += 1
 
     def _launch(self) -> EngineProcess:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
@@ -313,7 +307,7 @@ class EngineSupervisor:
         exit code (None for an adopted process)."""
         await self._set(EngineState.STARTING, "waiting for /health" + (" (adopted)" if adopted else ""))
         self.process = adopted or self._launch()
-        self.started_at = time.monotonic()
+        self.tracker.started(time.monotonic())
         exited = asyncio.create_task(self.process.wait())
         try:
             deadline = time.monotonic() + self.health_timeout_s

@@ -17,7 +17,8 @@ from node_agent.config import NodeAgentConfig, RestartPolicy
 from node_agent.grpc_service import NodeAgentService
 from node_agent.launch import LaunchSpec
 from node_agent.processes import start_ticks
-from node_agent.supervisor import EngineState, EngineSupervisor, backoff_delay
+from node_agent.supervisor import EngineState, EngineSupervisor
+from tandem.restarts import backoff_delay
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2, registry_pb2_grpc
 from tests.helpers import eventually, free_ports
 
