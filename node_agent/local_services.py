@@ -17,7 +17,7 @@ from typing import Protocol
 
 from node_agent.config import NodeAgentConfig
 from node_agent.launch import LaunchSpec, Placement, build_launch
-from node_agent.supervisor import EngineState, EngineSupervisor
+from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams
 
 OnChange = Callable[[EngineSupervisor], Awaitable[None]]
 
@@ -83,6 +83,7 @@ class EngineService(_Supervised):
     ) -> None:
         super().__init__()
         self.runtime_dir = runtime_dir
+        params = SupervisorParams.from_config(config, runtime_dir)
         store_env = {}
         if config.kv_store is not None and "kv_store" in config.service_names:
             store_env = dict(config.kv_store.engine_env)
@@ -90,20 +91,7 @@ class EngineService(_Supervised):
             for spec in build_launch(engine, runtime_dir, placement):
                 if store_env:
                     spec = dataclasses.replace(spec, env={**store_env, **spec.env})
-                self.supervisors.append(
-                    EngineSupervisor(
-                        engine,
-                        spec,
-                        config.restart,
-                        os.path.join(runtime_dir, f"{spec.name}.log"),
-                        config.probe_interval_s,
-                        config.stop_grace_s,
-                        on_change,
-                        load_interval_s=config.load_interval_s,
-                        state_dir=config.state_path,
-                        probe_timeout_s=config.probe_timeout_s,
-                    )
-                )
+                self.supervisors.append(EngineSupervisor(engine, spec, params, on_change))
 
     def prepare(self) -> None:
         os.makedirs(self.runtime_dir, exist_ok=True)
@@ -127,19 +115,15 @@ class KvStoreService(_Supervised):
         self.store = store
         self.runtime_dir = runtime_dir
         spec = LaunchSpec(name=f"{config.node_id}-kv_store", argv=list(store.argv), env=dict(store.env))
+        params = SupervisorParams.from_config(config, runtime_dir)
         self.supervisors.append(
             EngineSupervisor(
                 None,
                 spec,
-                config.restart,
-                os.path.join(runtime_dir, f"{spec.name}.log"),
-                config.probe_interval_s,
-                config.stop_grace_s,
+                params,
                 on_change,
                 health_timeout_s=store.health_timeout_s,
                 tcp_health=store.health_address,
-                state_dir=config.state_path,
-                probe_timeout_s=config.probe_timeout_s,
             )
         )
 

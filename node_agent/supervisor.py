@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from node_agent.config import EngineConfig, RestartPolicy
+from node_agent.config import EngineConfig, NodeAgentConfig, RestartPolicy
 from node_agent.launch import LaunchSpec
 from node_agent.processes import (
     EngineProcess,
@@ -65,6 +65,32 @@ class DrainResult:
     waited_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class SupervisorParams:
+    """How a node supervises its processes: one value, from the node's config, shared by its supervisors."""
+
+    restart: RestartPolicy  # backoff and crash-loop limit
+    log_dir: str  # each process logs to `<log_dir>/<name>.log`
+    probe_interval_s: float  # how often health is probed
+    stop_grace_s: float  # SIGTERM to SIGKILL when stopping
+    load_interval_s: float | None = None  # how often `/metrics` is scraped; `probe_interval_s` when None
+    probe_timeout_s: float = 1.0  # a health probe (or scrape) that takes longer fails
+    state_dir: str | None = None  # where launches are recorded for a later agent to adopt; None: not recorded
+
+    @classmethod
+    def from_config(cls, config: NodeAgentConfig, runtime_dir: str) -> SupervisorParams:
+        """The node's supervision settings, logs in `runtime_dir`."""
+        return cls(
+            restart=config.restart,
+            log_dir=runtime_dir,
+            probe_interval_s=config.probe_interval_s,
+            stop_grace_s=config.stop_grace_s,
+            load_interval_s=config.load_interval_s,
+            probe_timeout_s=config.probe_timeout_s,
+            state_dir=config.state_path,
+        )
+
+
 class EngineSupervisor:
     """Runs and watches one process until `stop()`."""
 
@@ -72,32 +98,26 @@ class EngineSupervisor:
         self,
         engine: EngineConfig | None,
         spec: LaunchSpec,
-        policy: RestartPolicy,
-        log_path: str,
-        probe_interval_s: float,
-        stop_grace_s: float,
+        params: SupervisorParams,
         on_change: Callable[[EngineSupervisor], Awaitable[None]],
         health_timeout_s: float | None = None,
         tcp_health: str | None = None,
-        load_interval_s: float | None = None,
-        state_dir: str | None = None,
-        probe_timeout_s: float = 1.0,
     ) -> None:
         self.engine = engine  # None for a service that is not an engine (the KV store)
         self.spec = spec
         self.name = spec.name
         self.health_timeout_s = health_timeout_s or (engine.health_timeout_s if engine else 60.0)
         self.tcp_health = tcp_health  # host:port that accepts connections once the process is up
-        self.tracker = RestartTracker(policy)  # crashes in a row, backoff, restarts so far
-        self.log_path = log_path
-        self.probe_interval_s = probe_interval_s
-        self.load_interval_s = load_interval_s or probe_interval_s  # how often `/metrics` is scraped
+        self.tracker = RestartTracker(params.restart)  # crashes in a row, backoff, restarts so far
+        self.log_path = os.path.join(params.log_dir, f"{spec.name}.log")
+        self.probe_interval_s = params.probe_interval_s
+        self.load_interval_s = (
+            params.load_interval_s or params.probe_interval_s
+        )  # how often `/metrics` is read
         self.on_load: Callable[[EngineSupervisor], None] | None = None  # called after each successful scrape
-        self.probe_timeout_s = probe_timeout_s
-        self.state_dir = (
-            state_dir  # where launches are recorded for a later agent to adopt; None: not recorded
-        )
-        self.stop_grace_s = stop_grace_s
+        self.probe_timeout_s = params.probe_timeout_s
+        self.state_dir = params.state_dir
+        self.stop_grace_s = params.stop_grace_s
         self.on_change = on_change
         self.state = EngineState.STOPPED
         self.detail = ""

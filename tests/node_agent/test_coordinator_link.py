@@ -11,7 +11,7 @@ import grpc
 from node_agent.config import EngineConfig, RestartPolicy
 from node_agent.coordinator_link import CoordinatorLink
 from node_agent.launch import LaunchSpec
-from node_agent.supervisor import EngineState, EngineSupervisor
+from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams
 from tandem.v1 import registry_pb2_grpc
 from tests.helpers import eventually, free_port
 from tests.node_agent.test_supervision import FakeRegistry
@@ -30,15 +30,8 @@ def running_engine(tmp_path) -> EngineSupervisor:
         pass
 
     engine = EngineConfig(instance_id="e", model="m", port=7001)
-    sup = EngineSupervisor(
-        engine,
-        LaunchSpec("e", ["true"], port=7001),
-        RestartPolicy(),
-        str(tmp_path / "e.log"),
-        0.5,
-        1,
-        changed,
-    )
+    params = SupervisorParams(RestartPolicy(), str(tmp_path), 0.5, 1)
+    sup = EngineSupervisor(engine, LaunchSpec("e", ["true"], port=7001), params, changed)
     sup.state, sup.healthy = EngineState.RUNNING, True  # as after a launch: no process needed here
     return sup
 

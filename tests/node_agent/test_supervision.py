@@ -17,7 +17,7 @@ from node_agent.config import NodeAgentConfig, RestartPolicy
 from node_agent.grpc_service import NodeAgentService
 from node_agent.launch import LaunchSpec
 from node_agent.processes import start_ticks
-from node_agent.supervisor import EngineState, EngineSupervisor
+from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams
 from tandem.restarts import backoff_delay
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2, registry_pb2_grpc
 from tests.helpers import eventually, free_ports
@@ -75,7 +75,7 @@ async def test_crash_loop_backs_off_and_gives_up_reported_in_status(tmp_path):
         initial_backoff_s=0.1, max_backoff_s=0.2, max_consecutive_failures=4, stable_after_s=60
     )
     sup = EngineSupervisor(
-        None, LaunchSpec("crashy", crash), policy, str(tmp_path / "c.log"), 0.1, 1, changed
+        None, LaunchSpec("crashy", crash), SupervisorParams(policy, str(tmp_path), 0.1, 1), changed
     )
     sup.start()
     await eventually(lambda: sup.state is EngineState.FAILED, 20, "FAILED")
