@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,9 @@ from node_agent.launch import LaunchError, Placement, build_launch
 from tandem.v1 import common_pb2
 
 RUN = "/run/tandem"
+#: Every backend's processes for a table of layouts, exactly as launched before backends became plug-ins
+#: (`node_agent.backends`); the agent's own interpreter is written `<agent python>`.
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "launch.json").read_text())
 
 
 def engine(**fields) -> EngineConfig:
@@ -277,3 +282,23 @@ def test_registered_instance_ids():
     assert registered_instance_ids(dp) == ["d-dp0", "d-dp1"]
     pp = engine(instance_id="p", tensor_parallel_size=8, nnodes=2)
     assert registered_instance_ids(pp, Placement(1, "10.0.0.1")) == []
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN))
+def test_every_backend_launches_each_layout_as_the_golden_table(case):
+    entry = GOLDEN[case]
+    placement = Placement(*entry["placement"]) if entry["placement"] else Placement()
+    engine = EngineConfig.model_validate(entry["engine"])
+    try:
+        specs = build_launch(engine, RUN, placement)
+    except LaunchError as exc:
+        assert entry["launch"] == {"error": str(exc)}
+        return
+    seen = []
+    for spec in specs:
+        fields = dataclasses.asdict(spec)
+        fields["argv"] = ["<agent python>" if a == sys.executable else a for a in spec.argv]
+        fields["dp_ranks"] = list(spec.dp_ranks)
+        fields["kv_events"] = [[s.dp_rank, s.endpoint, s.replay_endpoint] for s in spec.kv_events]
+        seen.append(fields)
+    assert seen == entry["launch"]
