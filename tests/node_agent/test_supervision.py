@@ -319,7 +319,7 @@ async def test_a_recorded_engine_launched_differently_is_replaced(tmp_path, regi
 
 
 def test_load_from_vllm_metrics_text():
-    from node_agent.supervisor import parse_load
+    from tandem.engine_load import parse_load
 
     text = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
