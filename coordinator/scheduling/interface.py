@@ -1,4 +1,6 @@
-"""The scheduling plug-in interface: a policy picks one candidate for a request. Nothing else lives here.
+"""The scheduling plug-in interface: a policy picks one candidate for a request. Nothing else lives here (the
+conductor's facts a candidate carries, `KvMatch`, sit below it in `coordinator.kv_facts`, where the predicted cache
+reads them too).
 
 The framework (`coordinator.picker`) filters candidates (healthy, not drained, serving the model, right role),
 asks the conductor for KV facts when the policy `needs_match`, and calls `pick`. Policies are pure: same inputs,
@@ -12,24 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.instances import InstanceState
-
-
-@dataclass(frozen=True, slots=True)
-class KvMatch:
-    """The conductor's facts for one candidate: leading prompt blocks it holds, per medium, mutually exclusive."""
-
-    npu_blocks: int = 0
-    cpu_blocks: int = 0
-    disk_blocks: int = 0
-    block_size: int = 16
-
-    @property
-    def matched_tokens(self) -> int:
-        """`(npu + cpu + disk) * block_size`."""
-        return (self.npu_blocks + self.cpu_blocks + self.disk_blocks) * self.block_size
-
-
-NO_MATCH = KvMatch()
+from coordinator.kv_facts import NO_MATCH, KvMatch
 
 
 @dataclass(frozen=True, slots=True)
