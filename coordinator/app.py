@@ -27,13 +27,14 @@ from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
 from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
-from coordinator.picker import EndpointPicker, TokenizerCache
+from coordinator.picker import EndpointPicker
 from coordinator.predicted_cache import PredictedCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.shared_state import LocalState, SharedState
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
+from coordinator.understanding import TokenizerCache
 from coordinator.workload import WorkloadLedger
 from tandem.grpc_server import GrpcApp
 from tandem.limits import MAX_GRPC_MESSAGE_BYTES

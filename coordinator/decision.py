@@ -24,12 +24,12 @@ from coordinator import metrics
 from coordinator.api_keys import ApiKeys
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
-from coordinator.openai_request import ROUTED_PATHS
 from coordinator.picker import AGGREGATED, HANDOFF, TRIGGER, EndpointPicker
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
 from coordinator.tickets import Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
+from coordinator.understanding import ROUTED_PATHS
 
 log = logging.getLogger(__name__)
 

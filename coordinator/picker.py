@@ -1,7 +1,8 @@
-"""The endpoint picker: from a request body to the instances that serve it, with their workload committed.
+"""The endpoint picker: from an understood request (`coordinator.understanding`) to the instances that serve it,
+with their workload committed.
 
-Pure core apart from the awaited conductor match: the ext_proc shell feeds it bytes and turns its decisions (or
-`OpenAIError`s) into Envoy replies.
+Pure core apart from the awaited conductor match: the decision paths (`coordinator.decision`) feed it requests and
+turn its picks (or `OpenAIError`s) into Envoy replies.
 
 Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has prefill or decode instances):
 - aggregated: one hybrid instance, chosen by the configured policy;
@@ -14,20 +15,18 @@ Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has pre
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
-from coordinator.limits import check_body, check_context, check_prompt_size
-from coordinator.openai_request import OpenAIRequest, model_of, parse_body, understand
 from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts, create_policy
+from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from coordinator.workload import Commitment, WorkloadLedger
 from tandem.chain_hash import chain_hashes
-from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -85,53 +84,9 @@ def candidates(
     ]
 
 
-class TokenizerCache:
-    """One tokenizer per model, loaded on first use."""
-
-    def __init__(self, paths: dict[str, str | None], load: Callable[[str | None], Tokenizer]) -> None:
-        self._paths = paths
-        self._load = load
-        self._by_model: dict[str, Tokenizer] = {}
-
-    def get(self, model: str) -> Tokenizer:
-        """The tokenizer of `model` (the built-in one when the config names none)."""
-        tok = self._by_model.get(model)
-        if tok is None:
-            tok = self._by_model[model] = self._load(self._paths.get(model))
-        return tok
-
-
-def understand_body(
-    api: str,
-    raw_body: bytes,
-    known_models: Collection[str],
-    tokenizers: TokenizerCache,
-    config: CoordinatorConfig,
-    max_model_len: Mapping[str, int] | None = None,
-) -> OpenAIRequest:
-    """Parses, checks against the request limits, and tokenizes a body (pure: also run in decision worker
-    processes, so that a large body gets the same checks there); OpenAIError 400 for bad input or a request over
-    the limits, 404 for a model not in `known_models`. `max_model_len`: the context length of the models that
-    declare one."""
-    body = parse_body(raw_body)
-    check_body(api, body, config.limits)
-    model = model_of(body)
-    if model not in known_models:
-        served = ", ".join(sorted(known_models)) or "none"
-        raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
-    chat = api == "chat.completions"
-    default_max = config.chat_default_max_tokens if chat else config.default_max_tokens
-    context = (max_model_len or {}).get(model)
-    # Before tokenizing: a prompt far beyond the context would hold the tokenizer for seconds.
-    check_prompt_size(api, body, context, config.limits, model)
-    request = understand(api, body, tokenizers.get(model), default_max)
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
-    check_context(request.prompts, asked, context, model)
-    return request
-
-
 class EndpointPicker:
-    """Validates, tokenizes, schedules and commits workload for one request at a time."""
+    """Schedules and commits workload for one request at a time (understanding its body first, with
+    `coordinator.understanding`, when the caller has not)."""
 
     def __init__(
         self,
@@ -159,7 +114,7 @@ class EndpointPicker:
         self.max_model_len: dict[str, int] = {}
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
-        """Parses and validates the body; 400 for bad input, 404 for an unknown model."""
+        """`understanding.understand_body` with this picker's models; 400 for bad input, 404 for an unknown model."""
         return understand_body(
             api, raw_body, self.instances.known_models, self.tokenizers, self.config, self.max_model_len
         )

@@ -98,8 +98,9 @@ async def test_drained_and_unhealthy_instances_get_nothing():
 async def test_predicted_cache_sends_a_burst_after_the_first_request():
     from coordinator.config import CoordinatorConfig, SchedulerConfig
     from coordinator.instances import InstanceInfo, InstanceTable
-    from coordinator.picker import EndpointPicker, TokenizerCache
+    from coordinator.picker import EndpointPicker
     from coordinator.predicted_cache import PredictedCache
+    from coordinator.understanding import TokenizerCache
     from coordinator.workload import WorkloadLedger
 
     table = InstanceTable(["m"])
