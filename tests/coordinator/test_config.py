@@ -3,11 +3,14 @@
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
 
 import pytest
 import yaml
 
 from coordinator.config_watch import ConfigWatch, watch_config
+from coordinator.scheduling import least_load, registry
+from coordinator.scheduling.interface import PolicyType
 from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
 from tests.helpers import eventually, make_picker
 
@@ -70,6 +73,25 @@ def test_bad_scheduler_config_fails_naming_the_key(section, message):
     with pytest.raises(ConfigError) as info:
         scheduler(**section)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@dataclass(frozen=True)
+class DepthParams:
+    """A policy type the tests register."""
+
+    depth: int = 3  # a parameter with a default
+
+
+def test_a_policy_types_registration_is_all_the_config_needs(monkeypatch):
+    registry.register_builtin_policies()
+    deep = PolicyType("deep", DepthParams, least_load.create, section="deep")
+    monkeypatch.setitem(registry._TYPES, "deep", deep)
+    assert scheduler(policy="deep", deep={"depth": 5}).section("deep") == {"depth": 5}
+    assert scheduler().section("deep") == {"depth": 3}  # defaults in the effective config
+    with pytest.raises(ConfigError, match=r"coordinator.scheduler: deep.depth: must be >= 0"):
+        scheduler(deep={"depth": -1})
+    with pytest.raises(ConfigError, match=r"coordinator.scheduler.least_load: unknown key"):
+        scheduler(least_load={})  # a type without parameters has no section
 
 
 def policy_file(path, policy: str) -> None:

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from coordinator.scheduling import create_policy, policy_types
+from coordinator.scheduling import create_policy, least_load, policy_types
 from coordinator.scheduling.registry import register
 from tests.helpers import ROOT
 
@@ -17,7 +17,7 @@ def test_builtins_are_registered_once():
         "sglang_cache_aware",
     ]
     with pytest.raises(ValueError, match="registered twice"):
-        register("least_load", lambda raw: None)
+        register(least_load.POLICY)
 
 
 def test_default_config_lists_every_policy():
