@@ -84,6 +84,9 @@ class SchedulerConfig(BaseModel):
 
     policy: str = "kv_affinity"
     """The policy in use: a built-in type (`round_robin`, `least_load`, `kv_affinity`, ...) or a `policies` name."""
+    decode_policy: str = "least_load"
+    """The policy choosing decode instances in P/D modes (`policy` chooses hybrid and prefill ones): a built-in type
+    or a `policies` name. It sees the decode candidates' loads and, when it asks, the conductor's facts for them."""
     policies: list[PolicySpec] = []
     """Extra named policy instances."""
     match_timeout_ms: float = Field(default=20.0, gt=0)
@@ -114,9 +117,9 @@ class SchedulerConfig(BaseModel):
 
     @model_serializer(mode="wrap")
     def _sections_after_policy(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The effective config lists the parameter sections right after the policy they configure."""
+        """The effective config lists the parameter sections right after the policies they configure."""
         dumped = handler(self)
-        head = {k: dumped.pop(k) for k in ("policy",) if k in dumped}
+        head = {k: dumped.pop(k) for k in ("policy", "decode_policy") if k in dumped}
         sections = {k: dumped.pop(k) for k in param_sections() if k in dumped}
         return {**head, **sections, **dumped}
 
@@ -141,18 +144,26 @@ class SchedulerConfig(BaseModel):
                     f"policies.{spec.name}.type: unknown policy type {spec.type!r} (known: {', '.join(types)})"
                 )
             spec.params = policy_params(spec.type, spec.params)
-        if self.policy not in types and self.policy not in names:
-            known = ", ".join([*types, *sorted(names)])
-            raise ValueError(f"policy: unknown scheduling policy {self.policy!r} (known: {known})")
+        for key, name in (("policy", self.policy), ("decode_policy", self.decode_policy)):
+            if name not in types and name not in names:
+                known = ", ".join([*types, *sorted(names)])
+                raise ValueError(f"{key}: unknown scheduling policy {name!r} (known: {known})")
         return self
 
     def build(self) -> Policy:
         """A new instance of the policy in use."""
+        return self._build(self.policy)
+
+    def build_decode(self) -> Policy:
+        """A new instance of the policy choosing P/D decode instances."""
+        return self._build(self.decode_policy)
+
+    def _build(self, name: str) -> Policy:
         for spec in self.policies:
-            if spec.name == self.policy:
+            if spec.name == name:
                 return create_policy(spec.type, spec.params)
-        section = section_of(self.policy)
-        return create_policy(self.policy, self.section(section) if section else None)
+        section = section_of(name)
+        return create_policy(name, self.section(section) if section else None)
 
 
 class EtcdSettings(BaseModel):

@@ -6,8 +6,9 @@ turn its picks (or `OpenAIError`s) into Envoy replies.
 
 Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has prefill or decode instances):
 - aggregated: one hybrid instance, chosen by the configured policy;
-- prefill_handoff_decode: a decode instance chosen by load (its KV arrives from the prefill engine), and a
-  prefill instance chosen by the configured policy for each prefill attempt (`pick_prefill`);
+- prefill_handoff_decode: a decode instance chosen by the decode policy (`scheduler.decode_policy`, least load
+  by default: its KV arrives from the prefill engine), and a prefill instance chosen by the configured policy for
+  each prefill attempt (`pick_prefill`);
 - concurrent_engine_sync (trigger): the same picks, but the prefill instance is chosen when the decode engine
   calls the metaserver back.
 """
@@ -23,7 +24,7 @@ from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.predicted_cache import PredictedCache
-from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts, create_policy
+from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts
 from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from coordinator.workload import Commitment, WorkloadLedger
 from tandem.chain_hash import chain_hashes
@@ -98,15 +99,18 @@ class EndpointPicker:
         matcher: ConductorMatcher | None = None,
         predicted: PredictedCache | None = None,
         fallbacks: bool = False,
+        decode_policy: Policy | None = None,
     ) -> None:
         self.config = config
         self.instances = instances
         self.ledger = ledger
-        self.policy = policy
+        self.policy = policy  # aggregated instances and P/D prefill instances
+        #: P/D decode instances: a policy like any other, seeing the decode candidates' loads and, when it asks, the
+        #: conductor's facts for them (`scheduler.decode_policy`).
+        self.decode_policy = decode_policy or config.scheduler.build_decode()
         self.tokenizers = tokenizers
         self.matcher = matcher
         self.predicted = predicted  # prompts just routed count as cached until KV events confirm them
-        self._decode_policy = create_policy("least_load")
         #: Name a second engine with each aggregated pick, for Envoy's one retry before any response byte (the
         #: `static` engines cluster tries the named addresses in order; ORIGINAL_DST could only retry the first).
         self.fallbacks = fallbacks
@@ -163,8 +167,17 @@ class EndpointPicker:
             matches = self.predicted.overlay(hashes, matches, ids, block_size)
         return matches, hashes
 
-    def _predict(self, leg: Leg, hashes: tuple[int, ...]) -> None:
-        if self.predicted is not None and hashes and self.policy.uses_predictions:
+    async def _choose(
+        self, policy: Policy, request_id: str, request: OpenAIRequest, states: Sequence[InstanceState]
+    ) -> tuple[Candidate, tuple[int, ...]]:
+        """`policy`'s pick among `states` (the ledger's figures, and the conductor's facts when it asks), with the
+        chain hashes the facts were asked with."""
+        matches, hashes = await self._matches(policy, request_id, request, states)
+        facts = RequestFacts(request_id, request.model, request.prompt_tokens, request.max_tokens, hashes)
+        return policy.pick(facts, self._candidates(states, matches)), hashes
+
+    def _predict(self, policy: Policy, leg: Leg, hashes: tuple[int, ...]) -> None:
+        if self.predicted is not None and hashes and policy.uses_predictions:
             self.predicted.routed(leg.instance.info.instance_id, hashes)
 
     def _commit(
@@ -188,16 +201,15 @@ class EndpointPicker:
                 raise OpenAIError(
                     503, f"No healthy instance serves the model `{model}` right now; retry later."
                 )
-            matches, hashes = await self._matches(self.policy, request_id, request, states)
-            facts = RequestFacts(request_id, model, isl, out, hashes)
-            chosen = self.policy.pick(facts, self._candidates(states, matches))
+            policy = self.policy
+            chosen, hashes = await self._choose(policy, request_id, request, states)
             matched = min(chosen.match.matched_tokens, isl)
             leg = Leg(
                 chosen.state,
                 self._commit(chosen.state, isl - matched, out, isl + out, isl * request.n),
                 chosen.match,
             )
-            self._predict(leg, hashes)
+            self._predict(policy, leg, hashes)
             fallback = self._fallback(states, chosen.state) if self.fallbacks else None
             return Decision(request, request_id, mode, leg, fallback=fallback)
         if mode == HANDOFF and len(request.prompts) > 1:
@@ -209,9 +221,10 @@ class EndpointPicker:
             raise OpenAIError(
                 503, f"No healthy decode instance serves the model `{model}` right now; retry later."
             )
-        facts = RequestFacts(request_id, model, isl, out)
-        decode = self._decode_policy.pick(facts, self._candidates(decodes, None))
-        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n))
+        policy = self.decode_policy
+        decode, hashes = await self._choose(policy, request_id, request, decodes)
+        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n), decode.match)
+        self._predict(policy, leg, hashes)
         return Decision(request, request_id, mode, leg)
 
     def _fallback(self, states: list[InstanceState], chosen: InstanceState) -> str | None:
@@ -231,17 +244,16 @@ class EndpointPicker:
         if not states:
             tried = f" ({len(exclude)} tried)" if exclude else ""
             raise OpenAIError(503, f"No healthy prefill instance serves `{request.model}` right now{tried}.")
+        policy = self.policy
         if decision.matches is None:
             all_prefill = self._routable(request.model, "prefill")
-            matches, decision.hashes = await self._matches(
-                self.policy, decision.request_id, request, all_prefill
-            )
+            matches, decision.hashes = await self._matches(policy, decision.request_id, request, all_prefill)
             decision.matches = matches or {}
-        chosen = self.policy.pick(decision.facts, self._candidates(states, decision.matches))
+        chosen = policy.pick(decision.facts, self._candidates(states, decision.matches))
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
         leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)
-        self._predict(leg, decision.hashes)
+        self._predict(policy, leg, decision.hashes)
         return leg
 
     def release(self, leg: Leg) -> bool:

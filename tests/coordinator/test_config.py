@@ -53,10 +53,20 @@ def test_named_policies():
     assert s.build().name == "dynamo" and s.build().params.router_temperature == 0.3
 
 
+def test_decode_policy_is_least_load_unless_named():
+    assert scheduler().build_decode().name == "least_load"
+    s = scheduler(decode_policy="hot", policies=[{"name": "hot", "type": "llm_d", "params": {"seed": 7}}])
+    assert s.build_decode().name == "llm_d" and s.build_decode().params.seed == 7
+    assert (
+        scheduler(decode_policy="kv_affinity", kv_affinity={"w_cpu": 0.5}).build_decode().params.w_cpu == 0.5
+    )
+
+
 @pytest.mark.parametrize(
     ("section", "message"),
     [
         ({"policy": "nope"}, "unknown scheduling policy 'nope'"),
+        ({"decode_policy": "nope"}, "decode_policy: unknown scheduling policy 'nope'"),
         ({"kv_affinity": {"w_npu": -1}}, "kv_affinity.w_npu: must be >= 0"),
         ({"kv_affinity_bogus": 1}, "kv_affinity.bogus: unknown parameter"),
         (
@@ -167,6 +177,13 @@ def test_missing_file_keeps_the_scheduler(watched, caplog):
     assert caplog.records[-1].problem.startswith("cannot read") and picker.policy.name == "least_load"
     policy_file(path, "dynamo")
     assert watch.poll() is True and picker.policy.name == "dynamo"
+
+
+def test_a_reload_switches_the_decode_policy_too(watched):
+    path, running, picker, watch = watched
+    path.write_text(yaml.safe_dump({"coordinator": {"scheduler": {"decode_policy": "round_robin"}}}))
+    assert watch.poll() is True and picker.decode_policy.name == "round_robin"
+    assert running.coordinator.scheduler.decode_policy == "round_robin"
 
 
 async def test_watch_task_polls_the_file(watched):
