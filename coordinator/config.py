@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from enum import StrEnum
+from typing import Any, Protocol
 
 from pydantic import (
     BaseModel,
@@ -32,6 +33,17 @@ from tandem.netaddr import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class PdMode(StrEnum):
+    """How a model's requests are served (`coordinator.pd_mode`), spelled as the mesh file spells them."""
+
+    #: The setting only, never a request's mode: each model's mode follows its instances' roles and dispatch.
+    AUTO = "auto"
+    AGGREGATED = "aggregated"  # one hybrid instance serves the whole request
+    HANDOFF = "prefill_handoff_decode"  # prefill first, then decode with the prefill's `kv_transfer_params`
+    #: Decode first; the decode engine calls the metaserver back to start the prefill (vLLM-Ascend layerwise).
+    TRIGGER = "concurrent_engine_sync"
 
 
 def _migrate_flat_keys(data: dict[Any, Any]) -> dict[Any, Any]:
@@ -202,7 +214,7 @@ class CoordinatorConfig(BaseModel):
     """Output tokens counted for a completions request without `max_tokens` (vLLM's default is 16)."""
     chat_default_max_tokens: int = Field(default=256, gt=0)
     """Output tokens counted for a chat request without `max_tokens`/`max_completion_tokens`."""
-    pd_mode: Literal["auto", "aggregated", "prefill_handoff_decode", "concurrent_engine_sync"] = "auto"
+    pd_mode: PdMode = PdMode.AUTO
     """`aggregated`: hybrid instances only. `prefill_handoff_decode`: prefill first, then decode with the
     prefill's `kv_transfer_params`. `concurrent_engine_sync`: decode first; the decode engine calls the metaserver
     back to start the prefill (vLLM-Ascend layerwise). `auto`: P/D when the model has prefill or decode instances

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 from coordinator import metrics
 from coordinator.api_keys import ApiKeys
+from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
-from coordinator.picker import AGGREGATED, HANDOFF, TRIGGER, EndpointPicker
+from coordinator.picker import EndpointPicker
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
 from coordinator.tickets import Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
@@ -181,7 +182,7 @@ class Decider:
         engine_request_id = request_id
         body = None
         try:
-            if decision.mode != AGGREGATED and extend is None:
+            if decision.mode != PdMode.AGGREGATED and extend is None:
                 self.tickets.abort(ticket)
                 return self.reject(
                     OpenAIError(
@@ -190,12 +191,12 @@ class Decider:
                         "runs ext_authz. Set envoy.decision to ext_proc (or auto with P/D engines configured).",
                     )
                 )
-            if decision.mode == TRIGGER:
+            if decision.mode == PdMode.TRIGGER:
                 attempt, body = self.trigger.open(decision, path)
                 registry = self.trigger.registry
                 ticket.on_end = lambda: registry.close(attempt)  # the request's end ends the attempt
                 engine_request_id = attempt.engine_request_id
-            elif decision.mode == HANDOFF:
+            elif decision.mode == PdMode.HANDOFF:
                 assert extend is not None
                 await extend()  # Envoy waits for this reply while the prefill leg runs
                 try:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, PdMode
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
@@ -31,10 +31,8 @@ from tandem.chain_hash import chain_hashes
 
 log = logging.getLogger(__name__)
 
-AGGREGATED = "aggregated"
-HANDOFF = "prefill_handoff_decode"
-TRIGGER = "concurrent_engine_sync"
-_MODE_OF_DISPATCH = {"handoff": HANDOFF, "trigger": TRIGGER}
+#: The P/D mode of a model whose prefill and decode instances all have one dispatch capability.
+_MODE_OF_DISPATCH = {"handoff": PdMode.HANDOFF, "trigger": PdMode.TRIGGER}
 
 
 @dataclass(slots=True)
@@ -52,7 +50,7 @@ class Decision:
 
     request: OpenAIRequest
     request_id: str
-    mode: str
+    mode: PdMode  # never AUTO: the mode `mode_of` resolved for the request's model
     target: Leg  # where Envoy forwards the request: the aggregated engine, or the decode engine
     matches: dict[str, KvMatch] | None = None  # conductor facts for the prefill pool (handoff), asked once
     hashes: tuple[int, ...] = ()  # the first prompt's chain hashes (prefill pool's block size), when asked
@@ -123,7 +121,7 @@ class EndpointPicker:
             api, raw_body, self.instances.known_models, self.tokenizers, self.config, self.max_model_len
         )
 
-    def mode_of(self, model: str) -> str:
+    def mode_of(self, model: str) -> PdMode:
         """The serving mode of `model`: `pd_mode`, or under `auto` what its instances' roles and dispatch
         capabilities say; 503 when its P/D instances mix handoff-only and trigger-only capability."""
         pd = [s for s in self.instances.serving(model) if s.info.role != "hybrid"]
@@ -134,11 +132,13 @@ class EndpointPicker:
                 f"The instances of `{model}` mix handoff-only and trigger-only P/D capability; the coordinator "
                 "cannot pair them. Give every prefill and decode instance of a model the same connector kind.",
             )
-        if self.config.pd_mode != "auto":
+        if self.config.pd_mode != PdMode.AUTO:
             return self.config.pd_mode
         if not pd:
-            return AGGREGATED
-        return _MODE_OF_DISPATCH.get(next(iter(kinds)), HANDOFF) if len(kinds) == 1 else HANDOFF
+            return PdMode.AGGREGATED
+        if len(kinds) != 1:
+            return PdMode.HANDOFF
+        return _MODE_OF_DISPATCH.get(next(iter(kinds)), PdMode.HANDOFF)
 
     def _routable(self, model: str, role: str) -> list[InstanceState]:
         return [s for s in self.instances.serving(model) if s.routable and s.info.role == role]
@@ -195,7 +195,7 @@ class EndpointPicker:
         request = request or self.understand(api, raw_body)
         model, isl, out = request.model, request.prompt_tokens, request.max_tokens
         mode = self.mode_of(model)
-        if mode == AGGREGATED:
+        if mode == PdMode.AGGREGATED:
             states = self._routable(model, "hybrid")
             if not states:
                 raise OpenAIError(
@@ -212,7 +212,7 @@ class EndpointPicker:
             self._predict(policy, leg, hashes)
             fallback = self._fallback(states, chosen.state) if self.fallbacks else None
             return Decision(request, request_id, mode, leg, fallback=fallback)
-        if mode == HANDOFF and len(request.prompts) > 1:
+        if mode == PdMode.HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
                 400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
             )

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, PdMode
 from coordinator.errors import OpenAIError
 from coordinator.instances import Health, InstanceInfo, InstanceTable
-from coordinator.picker import HANDOFF, EndpointPicker
+from coordinator.picker import EndpointPicker
 from coordinator.scheduling import KvMatch
 from coordinator.understanding import TokenizerCache
 from coordinator.workload import WorkloadLedger
@@ -183,7 +183,9 @@ async def test_the_decode_instance_is_chosen_by_the_configured_decode_policy():
     ).target.instance.info.instance_id == "d1"
     in_turn = decode_picker(decode_policy="round_robin")
     d = await in_turn.decide("completions", body(prompt="x"), "a")
-    assert d.mode == HANDOFF and d.target.instance.info.instance_id == "d0"  # first in turn, busy or not
+    assert (
+        d.mode == PdMode.HANDOFF and d.target.instance.info.instance_id == "d0"
+    )  # first in turn, busy or not
 
 
 async def test_a_kv_aware_decode_policy_sees_the_conductors_facts_for_the_decode_pool():
