@@ -45,8 +45,9 @@ class Leg:
 
 
 @dataclass(slots=True)
-class Decision:
-    """Where a request goes and what it holds until it ends."""
+class Pick:
+    """The picker's answer for one request: where it goes and what it holds until it ends (the decision path,
+    `coordinator.decision.Decider`, turns it into Envoy's reply)."""
 
     request: OpenAIRequest
     request_id: str
@@ -189,7 +190,7 @@ class EndpointPicker:
 
     async def decide(
         self, api: str, raw_body: bytes, request_id: str, request: OpenAIRequest | None = None
-    ) -> Decision:
+    ) -> Pick:
         """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503).
         `request` is the body already understood (off the event loop, for large bodies)."""
         request = request or self.understand(api, raw_body)
@@ -211,7 +212,7 @@ class EndpointPicker:
             )
             self._predict(policy, leg, hashes)
             fallback = self._fallback(states, chosen.state) if self.fallbacks else None
-            return Decision(request, request_id, mode, leg, fallback=fallback)
+            return Pick(request, request_id, mode, leg, fallback=fallback)
         if mode == PdMode.HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
                 400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
@@ -225,7 +226,7 @@ class EndpointPicker:
         decode, hashes = await self._choose(policy, request_id, request, decodes)
         leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n), decode.match)
         self._predict(policy, leg, hashes)
-        return Decision(request, request_id, mode, leg)
+        return Pick(request, request_id, mode, leg)
 
     def _fallback(self, states: list[InstanceState], chosen: InstanceState) -> str | None:
         """The least-loaded other engine of the pick's pool: where Envoy retries if the pick refuses the request
@@ -237,23 +238,23 @@ class EndpointPicker:
         ledger = self.ledger
         return min(others, key=lambda s: (ledger.tokens(s.info.instance_id), s.info.instance_id)).info.address
 
-    async def pick_prefill(self, decision: Decision, exclude: set[str]) -> Leg:
+    async def pick_prefill(self, pick: Pick, exclude: set[str]) -> Leg:
         """A prefill instance for the next attempt, not one of `exclude`; 503 when none is left."""
-        request = decision.request
+        request = pick.request
         states = [s for s in self._routable(request.model, "prefill") if s.info.instance_id not in exclude]
         if not states:
             tried = f" ({len(exclude)} tried)" if exclude else ""
             raise OpenAIError(503, f"No healthy prefill instance serves `{request.model}` right now{tried}.")
         policy = self.policy
-        if decision.matches is None:
+        if pick.matches is None:
             all_prefill = self._routable(request.model, "prefill")
-            matches, decision.hashes = await self._matches(policy, decision.request_id, request, all_prefill)
-            decision.matches = matches or {}
-        chosen = policy.pick(decision.facts, self._candidates(states, decision.matches))
+            matches, pick.hashes = await self._matches(policy, pick.request_id, request, all_prefill)
+            pick.matches = matches or {}
+        chosen = policy.pick(pick.facts, self._candidates(states, pick.matches))
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
         leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)
-        self._predict(policy, leg, decision.hashes)
+        self._predict(policy, leg, pick.hashes)
         return leg
 
     def release(self, leg: Leg) -> bool:
