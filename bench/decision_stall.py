@@ -62,9 +62,10 @@ def serve(port: int, inline_bytes: int, kind: str) -> None:
     from coordinator.ext_proc import ExternalProcessor
     from coordinator.handoff import HandoffRunner
     from coordinator.instances import InstanceInfo, InstanceTable
-    from coordinator.picker import EndpointPicker, TokenizerCache
+    from coordinator.picker import EndpointPicker
     from coordinator.tickets import TicketTable
     from coordinator.trigger import TriggerCoordinator
+    from coordinator.understanding import TokenizerCache
     from coordinator.workload import WorkloadLedger
     from tandem.tokenizer import load_tokenizer
 

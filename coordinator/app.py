@@ -27,13 +27,14 @@ from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
 from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
-from coordinator.picker import EndpointPicker, TokenizerCache
+from coordinator.picker import EndpointPicker
 from coordinator.predicted_cache import PredictedCache
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.shared_state import LocalState, SharedState
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
+from coordinator.understanding import TokenizerCache
 from coordinator.workload import WorkloadLedger
 from tandem.grpc_server import GrpcApp
 from tandem.limits import MAX_GRPC_MESSAGE_BYTES
@@ -103,6 +104,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         matcher,
         predicted,
         fallbacks=mesh.destination_fallback,
+        decode_policy=config.scheduler.build_decode(),
     )
     picker.max_model_len = {m.name: m.max_model_len for m in mesh.models if m.max_model_len}
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
@@ -189,13 +191,13 @@ def apply_shared_scheduler(mesh: MeshView, picker: EndpointPicker, matcher, sect
     that does not validate is logged and ignored (the running scheduler is kept)."""
     try:
         new = SchedulerConfig.model_validate(section)
-        policy = new.build()
+        policies = new.build(), new.build_decode()
     except (ValidationError, ValueError) as exc:
         log.error("scheduler from etcd rejected, keeping the running one", extra={"error": str(exc)})
         return False
     if new.model_dump() == mesh.coordinator.scheduler.model_dump():
         return False
-    picker.policy = policy
+    picker.policy, picker.decode_policy = policies
     mesh.coordinator.scheduler = new
     matcher.timeout_s = new.match_timeout_ms / 1000
     log.info("scheduler from etcd applied", extra={"policy": new.policy})

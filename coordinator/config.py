@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from enum import StrEnum
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
 
 from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, policy_types
-from coordinator.scheduling.params import as_dict
+from coordinator.scheduling.registry import param_sections, policy_params, section_of
 from tandem.netaddr import (
     Address,
     check_replica_addresses,
@@ -22,14 +34,38 @@ from tandem.netaddr import (
 
 log = logging.getLogger(__name__)
 
-#: Built-in policy types whose parameters may be set in a section of `scheduler` named after the type.
-PARAM_SECTIONS = ("kv_affinity", "dynamo", "sglang_cache_aware", "llm_d")
+
+class PdMode(StrEnum):
+    """How a model's requests are served (`coordinator.pd_mode`), spelled as the mesh file spells them."""
+
+    #: The setting only, never a request's mode: each model's mode follows its instances' roles and dispatch.
+    AUTO = "auto"
+    AGGREGATED = "aggregated"  # one hybrid instance serves the whole request
+    HANDOFF = "prefill_handoff_decode"  # prefill first, then decode with the prefill's `kv_transfer_params`
+    #: Decode first; the decode engine calls the metaserver back to start the prefill (vLLM-Ascend layerwise).
+    TRIGGER = "concurrent_engine_sync"
 
 
-def _params(policy_type: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` parameters of `policy_type` validated and completed with the defaults (an error names the key)."""
-    policy: Any = create_policy(policy_type, raw)  # every built-in keeps its frozen `params` dataclass
-    return as_dict(policy.params)
+def _migrate_flat_keys(data: dict[Any, Any]) -> dict[Any, Any]:
+    """Legacy flat keys (`kv_affinity_load_weight`) moved into their section, with a warning; the nested value wins."""
+    flat = [k for k in data if isinstance(k, str) and k.startswith("kv_affinity_")]
+    if not flat:
+        return data
+    data = dict(data)
+    nested = dict(data.get("kv_affinity") or {})
+    for key in flat:
+        param = key[len("kv_affinity_") :]
+        value = data.pop(key)
+        if param in nested:
+            message = (
+                f"scheduler.{key} is deprecated and ignored: scheduler.kv_affinity.{param} is set and wins"
+            )
+        else:
+            nested[param] = value
+            message = f"scheduler.{key} is deprecated: moved to scheduler.kv_affinity.{param}"
+        log.warning(message)
+    data["kv_affinity"] = nested
+    return data
 
 
 class PolicySpec(BaseModel):
@@ -46,20 +82,23 @@ class PolicySpec(BaseModel):
 
 
 class SchedulerConfig(BaseModel):
-    """How the coordinator picks instances."""
+    """How the coordinator picks instances.
 
-    model_config = ConfigDict(extra="forbid")
+    Besides the fields below, one section per built-in policy type that takes parameters (`scheduler.kv_affinity`,
+    `scheduler.dynamo`, ...): which sections exist is the policy registry's to say (each policy module declares its
+    own, `coordinator.scheduling.interface.PolicyType`), so they are the model's extra keys, checked against the
+    registry; any other key is unknown, as in every section. Each holds its type's parameters with the defaults
+    filled in (`section`)."""
+
+    # Extra keys are the registry's parameter sections only (`_sections_only`); every other key is refused.
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, dict[str, Any]] = Field(init=False)
 
     policy: str = "kv_affinity"
     """The policy in use: a built-in type (`round_robin`, `least_load`, `kv_affinity`, ...) or a `policies` name."""
-    kv_affinity: dict[str, Any] = {}
-    """Parameters of the built-in `kv_affinity` (see `coordinator/scheduling/kv_affinity.py`)."""
-    dynamo: dict[str, Any] = {}
-    """Parameters of the built-in `dynamo` (see `coordinator/scheduling/dynamo.py`)."""
-    sglang_cache_aware: dict[str, Any] = {}
-    """Parameters of the built-in `sglang_cache_aware`."""
-    llm_d: dict[str, Any] = {}
-    """Parameters of the built-in `llm_d`."""
+    decode_policy: str = "least_load"
+    """The policy choosing decode instances in P/D modes (`policy` chooses hybrid and prefill ones): a built-in type
+    or a `policies` name. It sees the decode candidates' loads and, when it asks, the conductor's facts for them."""
     policies: list[PolicySpec] = []
     """Extra named policy instances."""
     match_timeout_ms: float = Field(default=20.0, gt=0)
@@ -72,33 +111,41 @@ class SchedulerConfig(BaseModel):
     """Calibrated prefill speed of one instance, in tokens/s: between two progress reports the ledger drains each
     instance's outstanding prefill at this rate (0: progress reports alone)."""
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _migrate_flat_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        flat = [k for k in data if isinstance(k, str) and k.startswith("kv_affinity_")]
-        if not flat:
-            return data
-        data = dict(data)
-        nested = dict(data.get("kv_affinity") or {})
-        for key in flat:
-            param = key[len("kv_affinity_") :]
-            value = data.pop(key)
-            if param in nested:
-                message = f"scheduler.{key} is deprecated and ignored: scheduler.kv_affinity.{param} is set and wins"
-            else:
-                nested[param] = value
-                message = f"scheduler.{key} is deprecated: moved to scheduler.kv_affinity.{param}"
-            log.warning(message)
-        data["kv_affinity"] = nested
-        return data
+    def _sections_only(
+        cls, data: Any, handler: ModelWrapValidatorHandler[SchedulerConfig]
+    ) -> SchedulerConfig:
+        """Legacy keys migrated, then any key that is neither a field nor a registered section refused as pydantic
+        refuses unknown keys elsewhere (the same error, at the key)."""
+        if isinstance(data, dict):
+            data = _migrate_flat_keys(data)
+            sections = param_sections()
+            for key, value in data.items():
+                if isinstance(key, str) and key not in cls.model_fields and key not in sections:
+                    error = InitErrorDetails(type="extra_forbidden", loc=(key,), input=value)
+                    raise ValidationError.from_exception_data(cls.__name__, [error])
+        return handler(data)
+
+    @model_serializer(mode="wrap")
+    def _sections_after_policy(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The effective config lists the parameter sections right after the policies they configure."""
+        dumped = handler(self)
+        head = {k: dumped.pop(k) for k in ("policy", "decode_policy") if k in dumped}
+        sections = {k: dumped.pop(k) for k in param_sections() if k in dumped}
+        return {**head, **sections, **dumped}
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The parameters in section `name`, defaults filled in."""
+        return self.__pydantic_extra__[name]
 
     @model_validator(mode="after")
     def _check_policies(self) -> SchedulerConfig:
         types = policy_types()
-        for section in PARAM_SECTIONS:
-            setattr(self, section, _params(section, getattr(self, section)))
+        extra = self.__pydantic_extra__
+        filled = {s: policy_params(p.name, extra.get(s)) for s, p in param_sections().items()}
+        extra.clear()
+        extra.update(filled)
         names: set[str] = set()
         for spec in self.policies:
             if spec.name in names or spec.name in types:
@@ -108,20 +155,27 @@ class SchedulerConfig(BaseModel):
                 raise ValueError(
                     f"policies.{spec.name}.type: unknown policy type {spec.type!r} (known: {', '.join(types)})"
                 )
-            spec.params = _params(spec.type, spec.params)
-        if self.policy not in types and self.policy not in names:
-            known = ", ".join([*types, *sorted(names)])
-            raise ValueError(f"policy: unknown scheduling policy {self.policy!r} (known: {known})")
+            spec.params = policy_params(spec.type, spec.params)
+        for key, name in (("policy", self.policy), ("decode_policy", self.decode_policy)):
+            if name not in types and name not in names:
+                known = ", ".join([*types, *sorted(names)])
+                raise ValueError(f"{key}: unknown scheduling policy {name!r} (known: {known})")
         return self
 
     def build(self) -> Policy:
         """A new instance of the policy in use."""
+        return self._build(self.policy)
+
+    def build_decode(self) -> Policy:
+        """A new instance of the policy choosing P/D decode instances."""
+        return self._build(self.decode_policy)
+
+    def _build(self, name: str) -> Policy:
         for spec in self.policies:
-            if spec.name == self.policy:
+            if spec.name == name:
                 return create_policy(spec.type, spec.params)
-        return create_policy(
-            self.policy, getattr(self, self.policy, None) if self.policy in PARAM_SECTIONS else None
-        )
+        section = section_of(name)
+        return create_policy(name, self.section(section) if section else None)
 
 
 class EtcdSettings(BaseModel):
@@ -160,7 +214,7 @@ class CoordinatorConfig(BaseModel):
     """Output tokens counted for a completions request without `max_tokens` (vLLM's default is 16)."""
     chat_default_max_tokens: int = Field(default=256, gt=0)
     """Output tokens counted for a chat request without `max_tokens`/`max_completion_tokens`."""
-    pd_mode: Literal["auto", "aggregated", "prefill_handoff_decode", "concurrent_engine_sync"] = "auto"
+    pd_mode: PdMode = PdMode.AUTO
     """`aggregated`: hybrid instances only. `prefill_handoff_decode`: prefill first, then decode with the
     prefill's `kv_transfer_params`. `concurrent_engine_sync`: decode first; the decode engine calls the metaserver
     back to start the prefill (vLLM-Ascend layerwise). `auto`: P/D when the model has prefill or decode instances

@@ -30,7 +30,7 @@ def apply_scheduler_change(running: MeshView, fresh: MeshView, picker: EndpointP
     old, new = running.coordinator.scheduler, fresh.coordinator.scheduler
     if old.model_dump() == new.model_dump():
         return False
-    picker.policy = new.build()
+    picker.policy, picker.decode_policy = new.build(), new.build_decode()
     running.coordinator.scheduler = new
     if matcher is not None:
         matcher.timeout_s = new.match_timeout_ms / 1000

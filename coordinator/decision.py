@@ -22,14 +22,15 @@ from dataclasses import dataclass
 
 from coordinator import metrics
 from coordinator.api_keys import ApiKeys
+from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
-from coordinator.openai_request import ROUTED_PATHS
-from coordinator.picker import AGGREGATED, HANDOFF, TRIGGER, EndpointPicker
+from coordinator.picker import EndpointPicker
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
 from coordinator.tickets import Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
+from coordinator.understanding import ROUTED_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -170,18 +171,18 @@ class Decider:
                 request = await self._pool.understand(
                     api, raw_body, picker.instances.known_models, picker.max_model_len
                 )
-            decision = await self.picker.decide(api, raw_body, request_id, request)
+            pick = await self.picker.decide(api, raw_body, request_id, request)
         except OpenAIError as exc:
             return self.reject(exc)
         except Exception:
             log.exception("routing failed")
             return self.reject(OpenAIError(500, "The coordinator failed to route this request; see its log."))
-        ticket = self.tickets.issue([decision.target.commitment], request_id)
+        ticket = self.tickets.issue([pick.target.commitment], request_id)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
         engine_request_id = request_id
         body = None
         try:
-            if decision.mode != AGGREGATED and extend is None:
+            if pick.mode != PdMode.AGGREGATED and extend is None:
                 self.tickets.abort(ticket)
                 return self.reject(
                     OpenAIError(
@@ -190,26 +191,26 @@ class Decider:
                         "runs ext_authz. Set envoy.decision to ext_proc (or auto with P/D engines configured).",
                     )
                 )
-            if decision.mode == TRIGGER:
-                attempt, body = self.trigger.open(decision, path)
+            if pick.mode == PdMode.TRIGGER:
+                attempt, body = self.trigger.open(pick, path)
                 registry = self.trigger.registry
                 ticket.on_end = lambda: registry.close(attempt)  # the request's end ends the attempt
                 engine_request_id = attempt.engine_request_id
-            elif decision.mode == HANDOFF:
+            elif pick.mode == PdMode.HANDOFF:
                 assert extend is not None
                 await extend()  # Envoy waits for this reply while the prefill leg runs
                 try:
-                    body = await self.handoff.run(decision, path)
+                    body = await self.handoff.run(pick, path)
                 except OpenAIError as exc:
                     self.tickets.abort(ticket)
                     return self.reject(exc)
         except BaseException:  # cancelled (the request went away) or failed before the decision left
             self.tickets.abort(ticket)
             raise
-        instance = decision.target.instance.info
+        instance = pick.target.instance.info
         self.counters.routed += 1
         metrics.routed(instance.instance_id)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("routed", extra={"instance": instance.instance_id, "mode": decision.mode})
+            log.debug("routed", extra={"instance": instance.instance_id, "mode": pick.mode})
         removed = API_KEY_HEADERS if self.api_keys.enabled else ()
-        return Routed(instance.address, engine_request_id, ids.echo, ticket, body, removed, decision.fallback)
+        return Routed(instance.address, engine_request_id, ids.echo, ticket, body, removed, pick.fallback)

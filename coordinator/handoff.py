@@ -21,7 +21,7 @@ import aiohttp
 
 from coordinator import metrics
 from coordinator.errors import OpenAIError
-from coordinator.picker import Decision, EndpointPicker
+from coordinator.picker import EndpointPicker, Pick
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +100,14 @@ class HandoffRunner:
         return params
 
     async def prefill(
-        self, decision: Decision, path: str, body: dict[str, Any], request_id: str, want_params: bool = True
+        self, pick: Pick, path: str, body: dict[str, Any], request_id: str, want_params: bool = True
     ) -> Any:
         """Sends a prefill leg to an instance the policy picks, retrying on others up to `attempts`; returns the
         answer's `kv_transfer_params`. Each instance's workload is released when its leg ends."""
         tried: set[str] = set()
         last = ""
         for _ in range(self.attempts):
-            leg = await self.picker.pick_prefill(decision, tried)
+            leg = await self.picker.pick_prefill(pick, tried)
             iid = leg.instance.info.instance_id
             tried.add(iid)
             needs_params = want_params and leg.instance.info.kv_connector not in STORAGE_CONNECTORS
@@ -127,12 +127,10 @@ class HandoffRunner:
             return params
         raise PrefillFailed(f"the prefill leg failed on {len(tried)} instance(s); last error: {last}")
 
-    async def run(self, decision: Decision, path: str) -> bytes:
+    async def run(self, pick: Pick, path: str) -> bytes:
         """Handoff: runs the prefill leg (with retries); returns the body for the decode engine, or 503."""
         try:
-            params = await self.prefill(
-                decision, path, prefill_body(decision.request.body), decision.request_id
-            )
+            params = await self.prefill(pick, path, prefill_body(pick.request.body), pick.request_id)
         except PrefillFailed as exc:
             raise OpenAIError(503, f"The {exc}") from None
-        return decode_body(decision.request.body, params)
+        return decode_body(pick.request.body, params)

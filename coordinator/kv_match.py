@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import grpc
 
 from coordinator import metrics
-from coordinator.scheduling import NO_MATCH, KvMatch
+from coordinator.kv_facts import NO_MATCH, KvMatch
 from tandem.chain_hash import chain_hashes
 from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc

@@ -7,7 +7,6 @@ prompt plus output within the model's context. Each violation is an OpenAIError 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,14 +32,6 @@ class RequestLimits(BaseModel):
     max_chars_per_token: int = Field(default=16, gt=0)
     """With a model's `max_model_len`, a prompt longer than this many characters per token of context is refused
     before it is tokenized (tokenizing megabytes would hold the coordinator for seconds)."""
-
-
-def parse_json(raw: bytes) -> Any:
-    """`json.loads`, with nesting too deep for the parser answered as 400 instead of a crash."""
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise OpenAIError(400, "The request body nests JSON too deeply.") from None
 
 
 def json_depth(value: Any, limit: int) -> int:

@@ -1,12 +1,14 @@
-"""The endpoint picker: from a request body to the instances that serve it, with their workload committed.
+"""The endpoint picker: from an understood request (`coordinator.understanding`) to the instances that serve it,
+with their workload committed.
 
-Pure core apart from the awaited conductor match: the ext_proc shell feeds it bytes and turns its decisions (or
-`OpenAIError`s) into Envoy replies.
+Pure core apart from the awaited conductor match: the decision paths (`coordinator.decision`) feed it requests and
+turn its picks (or `OpenAIError`s) into Envoy replies.
 
 Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has prefill or decode instances):
 - aggregated: one hybrid instance, chosen by the configured policy;
-- prefill_handoff_decode: a decode instance chosen by load (its KV arrives from the prefill engine), and a
-  prefill instance chosen by the configured policy for each prefill attempt (`pick_prefill`);
+- prefill_handoff_decode: a decode instance chosen by the decode policy (`scheduler.decode_policy`, least load
+  by default: its KV arrives from the prefill engine), and a prefill instance chosen by the configured policy for
+  each prefill attempt (`pick_prefill`);
 - concurrent_engine_sync (trigger): the same picks, but the prefill instance is chosen when the decode engine
   calls the metaserver back.
 """
@@ -14,27 +16,23 @@ Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has pre
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, PdMode
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
-from coordinator.limits import check_body, check_context, check_prompt_size
-from coordinator.openai_request import OpenAIRequest, model_of, parse_body, understand
 from coordinator.predicted_cache import PredictedCache
-from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts, create_policy
+from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts
+from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from coordinator.workload import Commitment, WorkloadLedger
 from tandem.chain_hash import chain_hashes
-from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-AGGREGATED = "aggregated"
-HANDOFF = "prefill_handoff_decode"
-TRIGGER = "concurrent_engine_sync"
-_MODE_OF_DISPATCH = {"handoff": HANDOFF, "trigger": TRIGGER}
+#: The P/D mode of a model whose prefill and decode instances all have one dispatch capability.
+_MODE_OF_DISPATCH = {"handoff": PdMode.HANDOFF, "trigger": PdMode.TRIGGER}
 
 
 @dataclass(slots=True)
@@ -47,12 +45,13 @@ class Leg:
 
 
 @dataclass(slots=True)
-class Decision:
-    """Where a request goes and what it holds until it ends."""
+class Pick:
+    """The picker's answer for one request: where it goes and what it holds until it ends (the decision path,
+    `coordinator.decision.Decider`, turns it into Envoy's reply)."""
 
     request: OpenAIRequest
     request_id: str
-    mode: str
+    mode: PdMode  # never AUTO: the mode `mode_of` resolved for the request's model
     target: Leg  # where Envoy forwards the request: the aggregated engine, or the decode engine
     matches: dict[str, KvMatch] | None = None  # conductor facts for the prefill pool (handoff), asked once
     hashes: tuple[int, ...] = ()  # the first prompt's chain hashes (prefill pool's block size), when asked
@@ -85,53 +84,9 @@ def candidates(
     ]
 
 
-class TokenizerCache:
-    """One tokenizer per model, loaded on first use."""
-
-    def __init__(self, paths: dict[str, str | None], load: Callable[[str | None], Tokenizer]) -> None:
-        self._paths = paths
-        self._load = load
-        self._by_model: dict[str, Tokenizer] = {}
-
-    def get(self, model: str) -> Tokenizer:
-        """The tokenizer of `model` (the built-in one when the config names none)."""
-        tok = self._by_model.get(model)
-        if tok is None:
-            tok = self._by_model[model] = self._load(self._paths.get(model))
-        return tok
-
-
-def understand_body(
-    api: str,
-    raw_body: bytes,
-    known_models: Collection[str],
-    tokenizers: TokenizerCache,
-    config: CoordinatorConfig,
-    max_model_len: Mapping[str, int] | None = None,
-) -> OpenAIRequest:
-    """Parses, checks against the request limits, and tokenizes a body (pure: also run in decision worker
-    processes, so that a large body gets the same checks there); OpenAIError 400 for bad input or a request over
-    the limits, 404 for a model not in `known_models`. `max_model_len`: the context length of the models that
-    declare one."""
-    body = parse_body(raw_body)
-    check_body(api, body, config.limits)
-    model = model_of(body)
-    if model not in known_models:
-        served = ", ".join(sorted(known_models)) or "none"
-        raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
-    chat = api == "chat.completions"
-    default_max = config.chat_default_max_tokens if chat else config.default_max_tokens
-    context = (max_model_len or {}).get(model)
-    # Before tokenizing: a prompt far beyond the context would hold the tokenizer for seconds.
-    check_prompt_size(api, body, context, config.limits, model)
-    request = understand(api, body, tokenizers.get(model), default_max)
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
-    check_context(request.prompts, asked, context, model)
-    return request
-
-
 class EndpointPicker:
-    """Validates, tokenizes, schedules and commits workload for one request at a time."""
+    """Schedules and commits workload for one request at a time (understanding its body first, with
+    `coordinator.understanding`, when the caller has not)."""
 
     def __init__(
         self,
@@ -143,15 +98,18 @@ class EndpointPicker:
         matcher: ConductorMatcher | None = None,
         predicted: PredictedCache | None = None,
         fallbacks: bool = False,
+        decode_policy: Policy | None = None,
     ) -> None:
         self.config = config
         self.instances = instances
         self.ledger = ledger
-        self.policy = policy
+        self.policy = policy  # aggregated instances and P/D prefill instances
+        #: P/D decode instances: a policy like any other, seeing the decode candidates' loads and, when it asks, the
+        #: conductor's facts for them (`scheduler.decode_policy`).
+        self.decode_policy = decode_policy or config.scheduler.build_decode()
         self.tokenizers = tokenizers
         self.matcher = matcher
         self.predicted = predicted  # prompts just routed count as cached until KV events confirm them
-        self._decode_policy = create_policy("least_load")
         #: Name a second engine with each aggregated pick, for Envoy's one retry before any response byte (the
         #: `static` engines cluster tries the named addresses in order; ORIGINAL_DST could only retry the first).
         self.fallbacks = fallbacks
@@ -159,12 +117,12 @@ class EndpointPicker:
         self.max_model_len: dict[str, int] = {}
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
-        """Parses and validates the body; 400 for bad input, 404 for an unknown model."""
+        """`understanding.understand_body` with this picker's models; 400 for bad input, 404 for an unknown model."""
         return understand_body(
             api, raw_body, self.instances.known_models, self.tokenizers, self.config, self.max_model_len
         )
 
-    def mode_of(self, model: str) -> str:
+    def mode_of(self, model: str) -> PdMode:
         """The serving mode of `model`: `pd_mode`, or under `auto` what its instances' roles and dispatch
         capabilities say; 503 when its P/D instances mix handoff-only and trigger-only capability."""
         pd = [s for s in self.instances.serving(model) if s.info.role != "hybrid"]
@@ -175,11 +133,13 @@ class EndpointPicker:
                 f"The instances of `{model}` mix handoff-only and trigger-only P/D capability; the coordinator "
                 "cannot pair them. Give every prefill and decode instance of a model the same connector kind.",
             )
-        if self.config.pd_mode != "auto":
+        if self.config.pd_mode != PdMode.AUTO:
             return self.config.pd_mode
         if not pd:
-            return AGGREGATED
-        return _MODE_OF_DISPATCH.get(next(iter(kinds)), HANDOFF) if len(kinds) == 1 else HANDOFF
+            return PdMode.AGGREGATED
+        if len(kinds) != 1:
+            return PdMode.HANDOFF
+        return _MODE_OF_DISPATCH.get(next(iter(kinds)), PdMode.HANDOFF)
 
     def _routable(self, model: str, role: str) -> list[InstanceState]:
         return [s for s in self.instances.serving(model) if s.routable and s.info.role == role]
@@ -208,8 +168,17 @@ class EndpointPicker:
             matches = self.predicted.overlay(hashes, matches, ids, block_size)
         return matches, hashes
 
-    def _predict(self, leg: Leg, hashes: tuple[int, ...]) -> None:
-        if self.predicted is not None and hashes and self.policy.uses_predictions:
+    async def _choose(
+        self, policy: Policy, request_id: str, request: OpenAIRequest, states: Sequence[InstanceState]
+    ) -> tuple[Candidate, tuple[int, ...]]:
+        """`policy`'s pick among `states` (the ledger's figures, and the conductor's facts when it asks), with the
+        chain hashes the facts were asked with."""
+        matches, hashes = await self._matches(policy, request_id, request, states)
+        facts = RequestFacts(request_id, request.model, request.prompt_tokens, request.max_tokens, hashes)
+        return policy.pick(facts, self._candidates(states, matches)), hashes
+
+    def _predict(self, policy: Policy, leg: Leg, hashes: tuple[int, ...]) -> None:
+        if self.predicted is not None and hashes and policy.uses_predictions:
             self.predicted.routed(leg.instance.info.instance_id, hashes)
 
     def _commit(
@@ -221,31 +190,30 @@ class EndpointPicker:
 
     async def decide(
         self, api: str, raw_body: bytes, request_id: str, request: OpenAIRequest | None = None
-    ) -> Decision:
+    ) -> Pick:
         """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503).
         `request` is the body already understood (off the event loop, for large bodies)."""
         request = request or self.understand(api, raw_body)
         model, isl, out = request.model, request.prompt_tokens, request.max_tokens
         mode = self.mode_of(model)
-        if mode == AGGREGATED:
+        if mode == PdMode.AGGREGATED:
             states = self._routable(model, "hybrid")
             if not states:
                 raise OpenAIError(
                     503, f"No healthy instance serves the model `{model}` right now; retry later."
                 )
-            matches, hashes = await self._matches(self.policy, request_id, request, states)
-            facts = RequestFacts(request_id, model, isl, out, hashes)
-            chosen = self.policy.pick(facts, self._candidates(states, matches))
+            policy = self.policy
+            chosen, hashes = await self._choose(policy, request_id, request, states)
             matched = min(chosen.match.matched_tokens, isl)
             leg = Leg(
                 chosen.state,
                 self._commit(chosen.state, isl - matched, out, isl + out, isl * request.n),
                 chosen.match,
             )
-            self._predict(leg, hashes)
+            self._predict(policy, leg, hashes)
             fallback = self._fallback(states, chosen.state) if self.fallbacks else None
-            return Decision(request, request_id, mode, leg, fallback=fallback)
-        if mode == HANDOFF and len(request.prompts) > 1:
+            return Pick(request, request_id, mode, leg, fallback=fallback)
+        if mode == PdMode.HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
                 400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
             )
@@ -254,10 +222,11 @@ class EndpointPicker:
             raise OpenAIError(
                 503, f"No healthy decode instance serves the model `{model}` right now; retry later."
             )
-        facts = RequestFacts(request_id, model, isl, out)
-        decode = self._decode_policy.pick(facts, self._candidates(decodes, None))
-        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n))
-        return Decision(request, request_id, mode, leg)
+        policy = self.decode_policy
+        decode, hashes = await self._choose(policy, request_id, request, decodes)
+        leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n), decode.match)
+        self._predict(policy, leg, hashes)
+        return Pick(request, request_id, mode, leg)
 
     def _fallback(self, states: list[InstanceState], chosen: InstanceState) -> str | None:
         """The least-loaded other engine of the pick's pool: where Envoy retries if the pick refuses the request
@@ -269,24 +238,23 @@ class EndpointPicker:
         ledger = self.ledger
         return min(others, key=lambda s: (ledger.tokens(s.info.instance_id), s.info.instance_id)).info.address
 
-    async def pick_prefill(self, decision: Decision, exclude: set[str]) -> Leg:
+    async def pick_prefill(self, pick: Pick, exclude: set[str]) -> Leg:
         """A prefill instance for the next attempt, not one of `exclude`; 503 when none is left."""
-        request = decision.request
+        request = pick.request
         states = [s for s in self._routable(request.model, "prefill") if s.info.instance_id not in exclude]
         if not states:
             tried = f" ({len(exclude)} tried)" if exclude else ""
             raise OpenAIError(503, f"No healthy prefill instance serves `{request.model}` right now{tried}.")
-        if decision.matches is None:
+        policy = self.policy
+        if pick.matches is None:
             all_prefill = self._routable(request.model, "prefill")
-            matches, decision.hashes = await self._matches(
-                self.policy, decision.request_id, request, all_prefill
-            )
-            decision.matches = matches or {}
-        chosen = self.policy.pick(decision.facts, self._candidates(states, decision.matches))
+            matches, pick.hashes = await self._matches(policy, pick.request_id, request, all_prefill)
+            pick.matches = matches or {}
+        chosen = policy.pick(pick.facts, self._candidates(states, pick.matches))
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
         leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)
-        self._predict(leg, decision.hashes)
+        self._predict(policy, leg, pick.hashes)
         return leg
 
     def release(self, leg: Leg) -> bool:

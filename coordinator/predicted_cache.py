@@ -23,10 +23,8 @@ import collections
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # imported at run time inside `overlay`: the scheduling package imports this module
-    from coordinator.scheduling.interface import KvMatch
+from coordinator.kv_facts import NO_MATCH, KvMatch
 
 
 class PredictedCache:
@@ -124,8 +122,6 @@ class PredictedCache:
     ) -> dict[str, KvMatch]:
         """The conductor's facts (`matches`, None when it gave none) with predictions merged in; confirms the
         predictions the facts cover."""
-        from coordinator.scheduling.interface import NO_MATCH, KvMatch
-
         merged = dict(matches or {})
         if not self._holders or not hashes:
             return merged

@@ -25,7 +25,7 @@ from coordinator import metrics
 from coordinator.attempts import Attempt, AttemptRegistry
 from coordinator.callback_checks import callback_problem, mint_token
 from coordinator.handoff import HandoffRunner
-from coordinator.picker import Decision
+from coordinator.picker import Pick
 from tandem.netaddr import split_host_port
 from tandem.v1 import metaserver_pb2
 
@@ -103,25 +103,25 @@ class TriggerCoordinator:
         self.metaserver_url = metaserver_url
         self.kv_hosts = kv_hosts or []
 
-    def open(self, decision: Decision, path: str) -> tuple[Attempt, bytes]:
+    def open(self, pick: Pick, path: str) -> tuple[Attempt, bytes]:
         """Registers the request's attempt; returns it and the body for the decode engine."""
         attempt = self.registry.open(
-            decision.request_id, decision.request.api, len(decision.request.prompts), (decision, path)
+            pick.request_id, pick.request.api, len(pick.request.prompts), (pick, path)
         )
         attempt.token = mint_token()
         url = f"{self.metaserver_url}/{attempt.token}"
         params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": url}
-        return attempt, json.dumps({**decision.request.body, "kv_transfer_params": params}).encode()
+        return attempt, json.dumps({**pick.request.body, "kv_transfer_params": params}).encode()
 
     async def callback(self, req: metaserver_pb2.TriggerRequest) -> None:
         """One decode-engine callback (see `AttemptRegistry.callback` for the rules)."""
         facts = callback_facts(req)
         attempt = self.registry.find(req.request_id)
-        decision, _ = attempt.context
-        info = decision.target.instance.info
+        pick, _ = attempt.context
+        info = pick.target.instance.info
         index = attempt.expected.index(req.request_id) if req.request_id in attempt.expected else 0
-        prompts = decision.request.prompts
-        prompt_tokens = len(prompts[index]) if index < len(prompts) else decision.request.prompt_tokens
+        prompts = pick.request.prompts
+        prompt_tokens = len(prompts[index]) if index < len(prompts) else pick.request.prompt_tokens
         problem = callback_problem(
             attempt.token,
             req.token,
@@ -137,7 +137,7 @@ class TriggerCoordinator:
 
     async def run_leg(self, attempt: Attempt) -> None:
         """The attempt's prefill leg, retried on another prefill instance up to the configured attempts."""
-        decision, path = attempt.context
+        pick, path = attempt.context
         metrics.CALLBACK_PATH_SECONDS.observe(time.monotonic() - attempt.opened_at)
-        body = trigger_prefill_body(decision.request.body, attempt)
-        await self.runner.prefill(decision, path, body, attempt.engine_request_id, want_params=False)
+        body = trigger_prefill_body(pick.request.body, attempt)
+        await self.runner.prefill(pick, path, body, attempt.engine_request_id, want_params=False)

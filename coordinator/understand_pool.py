@@ -5,7 +5,7 @@ Tokenizing is CPU work in Python (the built-in tokenizer) or native code that ma
 (measured in `bench/decision_stall.py`; a thread pool did not help with the built-in tokenizer, the lock being
 held). Bodies above `coordinator.decision_inline_bytes` go to a small process pool instead; smaller ones stay
 inline, where they cost no inter-process hop. The workers hold their own tokenizers (loaded once per model) and
-run the same pure function as the inline path (`coordinator.picker.understand_body`).
+run the same pure function as the inline path (`coordinator.understanding.understand_body`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from collections.abc import Collection, Mapping
 from concurrent.futures import ProcessPoolExecutor
 
 from coordinator.config import CoordinatorConfig
-from coordinator.openai_request import OpenAIRequest
-from coordinator.picker import TokenizerCache, understand_body
+from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from tandem.tokenizer import load_tokenizer
 
 _worker: tuple[TokenizerCache, CoordinatorConfig] | None = None  # in each worker process

@@ -210,8 +210,8 @@ def _coordinator(path: str, replica: int | None, certs: str | None) -> int:
 def _conductor(
     path: str | None, listen: str | None, metrics_listen: str | None, replica: int | None, certs: str | None
 ) -> int:
+    from conductor.app import run
     from conductor.config import ConductorConfig
-    from conductor.serve import serve
     from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
     from mesh.security import component_tls
     from tandem.config_file import validate
@@ -232,7 +232,7 @@ def _conductor(
             config = validate(ConductorConfig, {**config.model_dump(), **overrides}, "command line")
         return config, tls
 
-    return run_component("conductor", load, lambda loaded: serve(*loaded))
+    return run_component("conductor", load, lambda loaded: run(*loaded))
 
 
 def _agent(

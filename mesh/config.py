@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conductor.config import ConductorConfig
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, PdMode
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
 from tandem.netaddr import Address, is_loopback, is_wildcard, split_host_port
@@ -184,7 +184,7 @@ class MeshConfig(BaseModel):
         if self.envoy.decision != "auto":
             return self.envoy.decision
         pd_engines = any(e.role != "hybrid" for a in self.node_agents for e in a.engines)
-        if pd_engines or self.coordinator.pd_mode not in ("auto", "aggregated"):
+        if pd_engines or self.coordinator.pd_mode not in (PdMode.AUTO, PdMode.AGGREGATED):
             return "ext_proc"
         return "ext_authz"
 

@@ -16,7 +16,7 @@ import yaml
 from coordinator.access_log import EXT_AUTHZ_NAMESPACE, METADATA_NAMESPACE
 from coordinator.decision import API_KEY_HEADERS
 from coordinator.ext_proc import REQUEST_ATTRIBUTES
-from coordinator.openai_request import ROUTED_PATHS
+from coordinator.understanding import ROUTED_PATHS
 from mesh.config import MeshConfig
 from node_agent.launch import Placement, registered_instance_ids
 from tandem import tls as tandem_tls

@@ -37,7 +37,8 @@ from conductor.app import SERVICE_NAME, Conductor
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
 from coordinator.instances import InstanceInfo, InstanceTable
-from coordinator.picker import EndpointPicker, TokenizerCache
+from coordinator.picker import EndpointPicker
+from coordinator.understanding import TokenizerCache
 from coordinator.workload import WorkloadLedger
 from tandem import tls
 from tandem.grpc_server import GrpcApp

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.interface import Candidate, PolicyType, RequestFacts
 from coordinator.scheduling.params import parse_params
 
 TYPE = "dynamo"
@@ -94,3 +94,6 @@ class Dynamo:
 def create(raw: Mapping[str, Any] | None = None) -> Dynamo:
     """Factory used by the policy registry."""
     return Dynamo(parse_params(Params, raw, TYPE))
+
+
+POLICY = PolicyType(TYPE, Params, create, section=TYPE)

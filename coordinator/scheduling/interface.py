@@ -1,4 +1,6 @@
-"""The scheduling plug-in interface: a policy picks one candidate for a request. Nothing else lives here.
+"""The scheduling plug-in interface: a policy picks one candidate for a request, and each policy module declares
+itself once (`PolicyType`). Nothing else lives here (the conductor's facts a candidate carries, `KvMatch`, sit
+below it in `coordinator.kv_facts`, where the predicted cache reads them too).
 
 The framework (`coordinator.picker`) filters candidates (healthy, not drained, serving the model, right role),
 asks the conductor for KV facts when the policy `needs_match`, and calls `pick`. Policies are pure: same inputs,
@@ -7,29 +9,12 @@ same choice (randomness, where a policy has any, comes from its own seeded gener
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from coordinator.instances import InstanceState
-
-
-@dataclass(frozen=True, slots=True)
-class KvMatch:
-    """The conductor's facts for one candidate: leading prompt blocks it holds, per medium, mutually exclusive."""
-
-    npu_blocks: int = 0
-    cpu_blocks: int = 0
-    disk_blocks: int = 0
-    block_size: int = 16
-
-    @property
-    def matched_tokens(self) -> int:
-        """`(npu + cpu + disk) * block_size`."""
-        return (self.npu_blocks + self.cpu_blocks + self.disk_blocks) * self.block_size
-
-
-NO_MATCH = KvMatch()
+from coordinator.kv_facts import NO_MATCH, KvMatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +64,20 @@ class Policy(Protocol):
     def pick(self, request: RequestFacts, candidates: Sequence[Candidate]) -> Candidate:
         """The candidate to serve `request`."""
         ...
+
+
+#: Builds a policy from its raw parameters (a config mapping, None for the defaults); ValueError naming the bad key.
+Factory = Callable[[Mapping[str, Any] | None], Policy]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyType:
+    """The one registration of a policy type, declared by its module (`POLICY`) and listed by the registry: the
+    config learns from it which `scheduler` sections exist and what their parameters are."""
+
+    name: str  # the type name configs use (`scheduler.policy`, `scheduler.decode_policy`, `policies[].type`)
+    params: type  # its frozen parameter dataclass, whose defaults fill the effective config
+    create: Factory  # a new policy of this type from raw parameters
+    #: The `scheduler` section that holds its parameters (`scheduler.<section>.<key>`); None for a type that takes
+    #: none (a section for it would be an unknown key).
+    section: str | None = None

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.interface import Candidate, PolicyType, RequestFacts
 from coordinator.scheduling.least_load import Rotation
 from coordinator.scheduling.params import parse_params
 
@@ -122,3 +122,6 @@ class KvAffinity:
 def create(raw: Mapping[str, Any] | None = None) -> KvAffinity:
     """Factory used by the policy registry."""
     return KvAffinity(parse_params(Params, raw, TYPE))
+
+
+POLICY = PolicyType(TYPE, Params, create, section=TYPE)

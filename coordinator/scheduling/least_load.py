@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.interface import Candidate, PolicyType, RequestFacts
 from coordinator.scheduling.params import parse_params
 
 TYPE = "least_load"
@@ -62,3 +62,6 @@ class LeastLoad:
 def create(raw: Mapping[str, Any] | None = None) -> LeastLoad:
     """Factory used by the policy registry."""
     return LeastLoad(parse_params(Params, raw, TYPE))
+
+
+POLICY = PolicyType(TYPE, Params, create)

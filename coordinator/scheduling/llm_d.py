@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.interface import Candidate, PolicyType, RequestFacts
 from coordinator.scheduling.params import parse_params
 
 TYPE = "llm_d"
@@ -82,3 +82,6 @@ class LlmD:
 def create(raw: Mapping[str, Any] | None = None) -> LlmD:
     """Factory used by the policy registry."""
     return LlmD(parse_params(Params, raw, TYPE))
+
+
+POLICY = PolicyType(TYPE, Params, create, section=TYPE)

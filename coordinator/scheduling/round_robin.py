@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.interface import Candidate, PolicyType, RequestFacts
 from coordinator.scheduling.params import parse_params
 
 TYPE = "round_robin"
@@ -39,3 +39,6 @@ class RoundRobin:
 def create(raw: Mapping[str, Any] | None = None) -> RoundRobin:
     """Factory used by the policy registry."""
     return RoundRobin(parse_params(Params, raw, TYPE))
+
+
+POLICY = PolicyType(TYPE, Params, create)

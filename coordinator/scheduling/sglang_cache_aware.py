@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from coordinator.predicted_cache import PredictedCache
-from coordinator.scheduling.interface import Candidate, RequestFacts
+from coordinator.scheduling.interface import Candidate, PolicyType, RequestFacts
 from coordinator.scheduling.params import parse_params
 
 TYPE = "sglang_cache_aware"
@@ -100,3 +100,6 @@ class SglangCacheAware:
 def create(raw: Mapping[str, Any] | None = None) -> SglangCacheAware:
     """Factory used by the policy registry."""
     return SglangCacheAware(parse_params(Params, raw, TYPE))
+
+
+POLICY = PolicyType(TYPE, Params, create, section=TYPE)

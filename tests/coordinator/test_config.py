@@ -3,11 +3,14 @@
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
 
 import pytest
 import yaml
 
 from coordinator.config_watch import ConfigWatch, watch_config
+from coordinator.scheduling import least_load, registry
+from coordinator.scheduling.interface import PolicyType
 from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
 from tests.helpers import eventually, make_picker
 
@@ -50,10 +53,20 @@ def test_named_policies():
     assert s.build().name == "dynamo" and s.build().params.router_temperature == 0.3
 
 
+def test_decode_policy_is_least_load_unless_named():
+    assert scheduler().build_decode().name == "least_load"
+    s = scheduler(decode_policy="hot", policies=[{"name": "hot", "type": "llm_d", "params": {"seed": 7}}])
+    assert s.build_decode().name == "llm_d" and s.build_decode().params.seed == 7
+    assert (
+        scheduler(decode_policy="kv_affinity", kv_affinity={"w_cpu": 0.5}).build_decode().params.w_cpu == 0.5
+    )
+
+
 @pytest.mark.parametrize(
     ("section", "message"),
     [
         ({"policy": "nope"}, "unknown scheduling policy 'nope'"),
+        ({"decode_policy": "nope"}, "decode_policy: unknown scheduling policy 'nope'"),
         ({"kv_affinity": {"w_npu": -1}}, "kv_affinity.w_npu: must be >= 0"),
         ({"kv_affinity_bogus": 1}, "kv_affinity.bogus: unknown parameter"),
         (
@@ -70,6 +83,25 @@ def test_bad_scheduler_config_fails_naming_the_key(section, message):
     with pytest.raises(ConfigError) as info:
         scheduler(**section)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@dataclass(frozen=True)
+class DepthParams:
+    """A policy type the tests register."""
+
+    depth: int = 3  # a parameter with a default
+
+
+def test_a_policy_types_registration_is_all_the_config_needs(monkeypatch):
+    registry.register_builtin_policies()
+    deep = PolicyType("deep", DepthParams, least_load.create, section="deep")
+    monkeypatch.setitem(registry._TYPES, "deep", deep)
+    assert scheduler(policy="deep", deep={"depth": 5}).section("deep") == {"depth": 5}
+    assert scheduler().section("deep") == {"depth": 3}  # defaults in the effective config
+    with pytest.raises(ConfigError, match=r"coordinator.scheduler: deep.depth: must be >= 0"):
+        scheduler(deep={"depth": -1})
+    with pytest.raises(ConfigError, match=r"coordinator.scheduler.least_load: unknown key"):
+        scheduler(least_load={})  # a type without parameters has no section
 
 
 def policy_file(path, policy: str) -> None:
@@ -145,6 +177,13 @@ def test_missing_file_keeps_the_scheduler(watched, caplog):
     assert caplog.records[-1].problem.startswith("cannot read") and picker.policy.name == "least_load"
     policy_file(path, "dynamo")
     assert watch.poll() is True and picker.policy.name == "dynamo"
+
+
+def test_a_reload_switches_the_decode_policy_too(watched):
+    path, running, picker, watch = watched
+    path.write_text(yaml.safe_dump({"coordinator": {"scheduler": {"decode_policy": "round_robin"}}}))
+    assert watch.poll() is True and picker.decode_policy.name == "round_robin"
+    assert running.coordinator.scheduler.decode_policy == "round_robin"
 
 
 async def test_watch_task_polls_the_file(watched):

@@ -5,10 +5,10 @@ import json
 import pytest
 from aiohttp import web
 
+from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner, decode_body, prefill_body
 from coordinator.instances import InstanceInfo
-from coordinator.picker import HANDOFF
 from tests.helpers import pd_picker
 
 PARAMS = {
@@ -79,7 +79,7 @@ async def test_failed_prefill_is_retried_on_another_instance(servers):
     decision = await picker.decide(
         "completions", json.dumps({"model": "m", "prompt": "hello", "stream": True}).encode(), "rid"
     )
-    assert decision.mode == HANDOFF and decision.target.instance.info.instance_id == "d0"
+    assert decision.mode == PdMode.HANDOFF and decision.target.instance.info.instance_id == "d0"
     runner = HandoffRunner(picker, 5.0, attempts=2)
     body = json.loads(await runner.run(decision, "/v1/completions"))
     await runner.close()

@@ -2,8 +2,13 @@ import json
 
 import pytest
 
+from coordinator.config import CoordinatorConfig, PdMode
 from coordinator.errors import OpenAIError
-from coordinator.instances import Health
+from coordinator.instances import Health, InstanceInfo, InstanceTable
+from coordinator.picker import EndpointPicker
+from coordinator.scheduling import KvMatch
+from coordinator.understanding import TokenizerCache
+from coordinator.workload import WorkloadLedger
 from tandem.tokenizer import load_tokenizer
 from tests.helpers import make_picker
 
@@ -98,8 +103,9 @@ async def test_drained_and_unhealthy_instances_get_nothing():
 async def test_predicted_cache_sends_a_burst_after_the_first_request():
     from coordinator.config import CoordinatorConfig, SchedulerConfig
     from coordinator.instances import InstanceInfo, InstanceTable
-    from coordinator.picker import EndpointPicker, TokenizerCache
+    from coordinator.picker import EndpointPicker
     from coordinator.predicted_cache import PredictedCache
+    from coordinator.understanding import TokenizerCache
     from coordinator.workload import WorkloadLedger
 
     table = InstanceTable(["m"])
@@ -140,3 +146,54 @@ async def test_fallback_names_the_least_loaded_other_engine_of_the_pool():
     single = make_picker(instances=1)
     single.fallbacks = True
     assert (await single.decide("completions", body(prompt="p"), "s")).fallback is None
+
+
+# -- the P/D decode choice: a policy like the prefill one ----------------------------------------------------------
+
+
+class RecordingMatcher:
+    """A conductor that says `holder` holds the prompt's first four blocks, and records whom it was asked about."""
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+        self.asked: list[list[str]] = []
+
+    async def match(self, request_id, model, token_ids, candidates, block_size=0, hashes=None):
+        self.asked.append(sorted(candidates))
+        return {self.holder: KvMatch(npu_blocks=4, block_size=16)} if self.holder in candidates else {}
+
+
+def decode_picker(matcher=None, **scheduler) -> EndpointPicker:
+    """A handoff-mode picker of model `m`: decode instances `d0` (already busy) and `d1`, prefill instance `p0`."""
+    table = InstanceTable(["m"])
+    for iid, role in (("d0", "decode"), ("d1", "decode"), ("p0", "prefill")):
+        table.register(InstanceInfo(iid, "m", "127.0.0.1:1", role, "handoff"))
+    config = CoordinatorConfig(scheduler={"policy": "least_load", **scheduler})
+    tokenizers = TokenizerCache({}, load_tokenizer)
+    picker = EndpointPicker(config, table, WorkloadLedger(), config.scheduler.build(), tokenizers, matcher)
+    picker.ledger.commit("d0", 0, 500, 500, 0)
+    return picker
+
+
+async def test_the_decode_instance_is_chosen_by_the_configured_decode_policy():
+    by_load = decode_picker()
+    assert by_load.decode_policy.name == "least_load"  # the default: as before the seam
+    assert (
+        await by_load.decide("completions", body(prompt="x"), "a")
+    ).target.instance.info.instance_id == "d1"
+    in_turn = decode_picker(decode_policy="round_robin")
+    d = await in_turn.decide("completions", body(prompt="x"), "a")
+    assert (
+        d.mode == PdMode.HANDOFF and d.target.instance.info.instance_id == "d0"
+    )  # first in turn, busy or not
+
+
+async def test_a_kv_aware_decode_policy_sees_the_conductors_facts_for_the_decode_pool():
+    matcher = RecordingMatcher("d0")
+    picker = decode_picker(matcher, decode_policy="kv_affinity", kv_affinity={"mode": "prefix"})
+    d = await picker.decide("completions", body(prompt="x " * 100), "a")
+    assert matcher.asked == [["d0", "d1"]]
+    assert d.target.instance.info.instance_id == "d0" and d.target.match.npu_blocks == 4
+    by_load = decode_picker(RecordingMatcher("d0"))
+    await by_load.decide("completions", body(prompt="x " * 100), "b")
+    assert by_load.matcher.asked == []  # least load asks the conductor nothing

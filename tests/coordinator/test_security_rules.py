@@ -16,10 +16,10 @@ from coordinator.limits import (
     json_depth,
     prompt_chars,
 )
-from coordinator.openai_request import parse_body
 from coordinator.ownership import ownership_problem
 from coordinator.redact import REDACTED, redact
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
+from coordinator.understanding import parse_body
 from tandem.config_file import ConfigError
 
 # -- API keys -----------------------------------------------------------------------------------------------------

@@ -146,3 +146,5 @@ def test_shared_scheduler_applies_valid_sections_only():
         mesh, picker, matcher, {"policy": "round_robin", "match_timeout_ms": 40}
     )
     assert mesh.coordinator.scheduler.policy == "round_robin"
+    assert apply_shared_scheduler(mesh, picker, matcher, {"policy": "round_robin", "decode_policy": "llm_d"})
+    assert picker.decode_policy.name == "llm_d" and picker.policy.name == "round_robin"

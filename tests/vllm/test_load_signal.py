@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.openai_request import understand
+from coordinator.understanding import understand
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import admin_pb2
 from tests.helpers import wait_until

@@ -2,8 +2,9 @@ import re
 
 import pytest
 
-from coordinator.scheduling import create_policy, policy_types
-from coordinator.scheduling.registry import register
+from coordinator.scheduling import create_policy, dynamo, least_load, policy_types
+from coordinator.scheduling.interface import PolicyType
+from coordinator.scheduling.registry import param_sections, register
 from tests.helpers import ROOT
 
 
@@ -17,7 +18,15 @@ def test_builtins_are_registered_once():
         "sglang_cache_aware",
     ]
     with pytest.raises(ValueError, match="registered twice"):
-        register("least_load", lambda raw: None)
+        register(least_load.POLICY)
+
+
+def test_policies_with_parameters_own_one_scheduler_section_each():
+    assert list(param_sections()) == ["kv_affinity", "dynamo", "sglang_cache_aware", "llm_d"]
+    assert all(policy.name == section for section, policy in param_sections().items())
+    with pytest.raises(ValueError, match="section 'dynamo' is registered twice"):
+        register(PolicyType("dynamo_again", dynamo.Params, dynamo.create, section="dynamo"))
+    assert "dynamo_again" not in policy_types()
 
 
 def test_default_config_lists_every_policy():

@@ -1,12 +1,23 @@
-"""Understanding an OpenAI request body: validation, prompt tokens and the figures scheduling needs."""
+"""Understanding an OpenAI request body, before anything is scheduled (pure): the one pipeline every decision
+path runs, inline on the event loop or in a worker process (`coordinator/understand_pool.py`).
+
+`understand_body`, in order: parse the JSON (`parse_body`); check it against the request limits
+(`coordinator.limits`); find its model among those served; refuse a prompt far beyond the model's context before
+tokenizing it; validate the fields scheduling relies on and tokenize the prompts as the engine will (`understand`);
+check prompt plus output against the context. The result is an `OpenAIRequest`, with the figures the picker
+schedules on. Every refusal is an `OpenAIError` (400, or 404 for a model not served).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.config import CoordinatorConfig
 from coordinator.errors import OpenAIError
+from coordinator.limits import check_body, check_context, check_prompt_size
 from tandem.tokenizer import Tokenizer, prompt_token_ids
 
 #: Paths the coordinator routes, and the API name `tandem.tokenizer.prompt_token_ids` knows them by.
@@ -91,3 +102,48 @@ def understand(
         raise OpenAIError(400, str(exc), param) from None
     per_choice = max_tokens if max_tokens is not None else default_max_tokens
     return OpenAIRequest(api, model, stream, body, prompts, per_choice * n * len(prompts), n)
+
+
+class TokenizerCache:
+    """One tokenizer per model, loaded on first use."""
+
+    def __init__(self, paths: dict[str, str | None], load: Callable[[str | None], Tokenizer]) -> None:
+        self._paths = paths
+        self._load = load
+        self._by_model: dict[str, Tokenizer] = {}
+
+    def get(self, model: str) -> Tokenizer:
+        """The tokenizer of `model` (the built-in one when the config names none)."""
+        tok = self._by_model.get(model)
+        if tok is None:
+            tok = self._by_model[model] = self._load(self._paths.get(model))
+        return tok
+
+
+def understand_body(
+    api: str,
+    raw_body: bytes,
+    known_models: Collection[str],
+    tokenizers: TokenizerCache,
+    config: CoordinatorConfig,
+    max_model_len: Mapping[str, int] | None = None,
+) -> OpenAIRequest:
+    """Parses, checks against the request limits, and tokenizes a body (pure: also run in decision worker
+    processes, so that a large body gets the same checks there); OpenAIError 400 for bad input or a request over
+    the limits, 404 for a model not in `known_models`. `max_model_len`: the context length of the models that
+    declare one."""
+    body = parse_body(raw_body)
+    check_body(api, body, config.limits)
+    model = model_of(body)
+    if model not in known_models:
+        served = ", ".join(sorted(known_models)) or "none"
+        raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
+    chat = api == "chat.completions"
+    default_max = config.chat_default_max_tokens if chat else config.default_max_tokens
+    context = (max_model_len or {}).get(model)
+    # Before tokenizing: a prompt far beyond the context would hold the tokenizer for seconds.
+    check_prompt_size(api, body, context, config.limits, model)
+    request = understand(api, body, tokenizers.get(model), default_max)
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    check_context(request.prompts, asked, context, model)
+    return request
