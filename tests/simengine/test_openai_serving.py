@@ -188,8 +188,10 @@ async def test_completions_and_chat_bytes():
     check("aggregated", got)
 
 
-async def test_handoff_prefill_answers_its_kv_transfer_params():
-    ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": "golden-prefill"}
+@pytest.mark.parametrize("connector", ["NixlConnector", "MooncakeConnector", "MooncakeLayerwiseConnector"])
+async def test_handoff_prefill_answers_its_kv_transfer_params(connector):
+    # The Mooncake names add their fields (the same with or without the Mooncake transfer engine installed).
+    ktc = {"kv_connector": connector, "kv_role": "kv_producer", "engine_id": "golden-prefill"}
     async with InProcessEngine("--kv-transfer-config", json.dumps(ktc)) as engine:
         leg = {"kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
         long_prompt = {"prompt": " ".join(["word"] * 40)}  # full blocks to hand over
@@ -197,7 +199,7 @@ async def test_handoff_prefill_answers_its_kv_transfer_params():
             engine, "completions", {"prefill": {**long_prompt, **leg}, "short": {**HELLO, **leg}}
         )
         got.update(await record(engine, "chat", {"prefill": {**CHAT, **leg}}))
-    check("handoff_prefill", got)
+    check(f"handoff_prefill/{connector}", got)
 
 
 async def test_a_failed_sequence_ends_with_an_error_chunk():
