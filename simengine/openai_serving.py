@@ -15,6 +15,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
+from simengine.connectors.interface import KVConnector
 from simengine.engine import Engine
 from simengine.logprobs import LogprobsBuilder
 from simengine.protocol import APIError, Params, encode, invalid, json_response, parse_params, pydantic_error
@@ -75,7 +76,7 @@ class OpenAIServing:
         tokenizer,
         model_names: list[str],
         max_model_len: int,
-        connector=None,
+        connector: KVConnector | None = None,
         request_id_headers: bool = False,
     ):
         self.engine = engine
@@ -280,16 +281,12 @@ class OpenAIServing:
                 raise_error = APIError(seq.req.stop_reason or "engine error", 500)
                 return raise_error.response()
         kv_params = None
-        for seq in group.seqs:
-            req = seq.req
-            if self.connector is not None and req.kv_transfer_params:
-                params_in = req.kv_transfer_params
-                if params_in.get("do_remote_decode") and params_in.get("remote_host") is not None:
-                    try:
-                        await self.connector.push(req, params_in)
-                    except (OSError, ValueError, TimeoutError) as e:
-                        return APIError(f"KV push to the decode engine failed: {e}", 500).response()
-                kv_params = self.connector.finished_params(req) or kv_params
+        if self.connector is not None:
+            for seq in group.seqs:
+                try:
+                    kv_params = await self.connector.complete(seq.req) or kv_params
+                except (OSError, ValueError, TimeoutError) as e:
+                    return APIError(f"KV push to the decode engine failed: {e}", 500).response()
         created = int(time.time())
         prompt_tokens = sum(len(s.req.prompt_token_ids) for s in group.seqs[:: params.n])
         completion_tokens = sum(len(s.req.output_token_ids) for s in group.seqs)
