@@ -13,11 +13,11 @@ import msgspec
 from aiohttp import web
 
 from simengine.config import EngineConfig
+from simengine.connectors.factory import create_connector
 from simengine.engine import Engine
 from simengine.kv_publisher import ZmqEventPublisher
 from simengine.metrics import EngineMetrics
 from simengine.openai_serving import VLLM_VERSION, OpenAIServing
-from simengine.pd import KVConnector
 from simengine.protocol import APIError, json_response
 from simengine.sampler import Sampler
 from tandem.tokenizer import load_tokenizer, prompt_token_ids
@@ -45,7 +45,7 @@ class EngineServer:
             )
         sampler = Sampler(self.tokenizer.word_ids, self.tokenizer.eos_token_id)
         self.engine = Engine(cfg, sampler, self.metrics, self.publisher)
-        self.connector = KVConnector(cfg, self.engine) if cfg.kv_transfer.mode else None
+        self.connector = create_connector(cfg, self.engine)
         self.serving = OpenAIServing(
             self.engine,
             self.tokenizer,

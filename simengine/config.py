@@ -8,13 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from simengine.block_hash import ALGORITHMS
+from simengine.connectors.factory import connector_names
 from simengine.kv_publisher import KVEventsConfig
 from simengine.profiles import PROFILES
-
-HANDOFF_CONNECTORS = ("NixlConnector", "MooncakeConnector", "MooncakeConnectorV1", "P2pNcclConnector")
-TRIGGER_CONNECTORS = ("MooncakeLayerwiseConnector",)
-STORAGE_CONNECTORS = ("ExampleConnector", "SharedStorageConnector")
-LOCAL_CONNECTORS = ("OffloadingConnector", "LMCacheConnectorV1")
 
 
 @dataclass(slots=True)
@@ -44,24 +40,9 @@ class KVTransferConfig:
             )
         if cfg.kv_connector and cfg.kv_role is None:
             raise ValueError("--kv-transfer-config: kv_role is required with kv_connector")
-        if (
-            cfg.kv_connector
-            and cfg.kv_connector
-            not in HANDOFF_CONNECTORS + TRIGGER_CONNECTORS + STORAGE_CONNECTORS + LOCAL_CONNECTORS
-        ):
+        if cfg.kv_connector and cfg.kv_connector not in connector_names():
             raise ValueError(f"--kv-transfer-config: unsupported kv_connector {cfg.kv_connector!r}")
         return cfg
-
-    @property
-    def mode(self) -> str | None:
-        """The P/D mode: "handoff", "trigger", "storage" (ExampleConnector's shared directory) or None."""
-        if self.kv_connector in HANDOFF_CONNECTORS:
-            return "handoff"
-        if self.kv_connector in TRIGGER_CONNECTORS:
-            return "trigger"
-        if self.kv_connector in STORAGE_CONNECTORS:
-            return "storage"
-        return None
 
     @property
     def is_producer(self) -> bool:

@@ -1,8 +1,10 @@
-"""`/v1/completions` and `/v1/chat/completions` as vLLM's OpenAI server answers them, streamed or not.
+"""`/v1/completions` and `/v1/chat/completions` as vLLM's OpenAI server answers them, streamed or not: validation,
+the engine requests of one answer, stop strings, echo, waiting for output; each API's answer shapes are its
+encoder's (simengine/encoders/).
 
 The per-token path is kept cheap: the engine loop appends token ids to each sequence and resolves one future per
-HTTP request per step; the handler then turns every pending token into an SSE event from prebuilt byte templates
-and writes them all with one `write`.
+HTTP request per step; the handler then turns every pending token into an SSE event with the API's chunk encoder
+(prebuilt byte templates) and writes them all with one `write`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import uuid
 import msgspec
 from aiohttp import web
 
+from simengine.connectors.interface import KVConnector
+from simengine.encoders.interface import ApiEncoder, Choice, EncoderTools
+from simengine.encoders.registry import create_encoders
 from simengine.engine import Engine
 from simengine.logprobs import LogprobsBuilder
 from simengine.protocol import APIError, Params, encode, invalid, json_response, parse_params, pydantic_error
@@ -28,31 +33,13 @@ _DONE = b"data: [DONE]\n\n"
 VLLM_VERSION = "0.32.0"
 
 
-class _Seq:
-    """Output state of one sequence (one choice) as the handler consumes it."""
-
-    __slots__ = ("req", "index", "pending", "text", "held", "finished", "sent_role", "emitted", "offset")
-
-    def __init__(self, req: Request, index: int) -> None:
-        self.req = req
-        self.index = index
-        self.pending: list[int] = []
-        self.text: list[str] = []
-        self.held = ""  # streamed text held back while it could still become a stop string
-        self.finished = False
-        self.sent_role = False
-        #: Output tokens already streamed (their position numbers the next logprobs) and characters sent.
-        self.emitted = 0
-        self.offset = 0
-
-
 class _Group:
     """All sequences of one HTTP request and the future the engine resolves when any has output."""
 
     __slots__ = ("seqs", "waiter")
 
     def __init__(self) -> None:
-        self.seqs: list[_Seq] = []
+        self.seqs: list[Choice] = []
         self.waiter: asyncio.Future | None = None
 
 
@@ -75,7 +62,7 @@ class OpenAIServing:
         tokenizer,
         model_names: list[str],
         max_model_len: int,
-        connector=None,
+        connector: KVConnector | None = None,
         request_id_headers: bool = False,
     ):
         self.engine = engine
@@ -90,13 +77,14 @@ class OpenAIServing:
         self._jtext: dict[int, bytes] = {}
         for tid in tokenizer.word_ids:
             self._piece(tid)
-        self.logprobs = LogprobsBuilder(self.text_of, tokenizer.word_ids)
         self.num_requests = 0
         cfg = engine.cfg
         self.fault_rng = random.Random(cfg.fault_seed)
         # vLLM's fingerprint is its version plus a per-deployment hash; one per process here.
-        self.fingerprint = f"vllm-{VLLM_VERSION}-{uuid.uuid4().hex[:8]}"
-        self._fp = b',"system_fingerprint":' + encode(self.fingerprint)
+        fingerprint = f"vllm-{VLLM_VERSION}-{uuid.uuid4().hex[:8]}"
+        logprobs = LogprobsBuilder(self.text_of, tokenizer.word_ids)
+        #: The answer shapes of each API, by the API name the routes give.
+        self.encoders = create_encoders(EncoderTools(logprobs, tokenizer.decode, fingerprint))
 
     def _piece(self, tid: int) -> bytes:
         j = self._jtext.get(tid)
@@ -178,7 +166,7 @@ class OpenAIServing:
             return e.response()
         header_id = request.headers.get("X-Request-Id")
         base = header_id or uuid.uuid4().hex[:16]
-        return await self._generate(request, api, model, params, prompts, base)
+        return await self._generate(request, self.encoders[api], model, params, prompts, base)
 
     def _max_tokens(self, params: Params, num_prompt: int) -> int:
         """vLLM's budget: `max_tokens` above the context is an error, otherwise it is cut to what fits."""
@@ -197,12 +185,14 @@ class OpenAIServing:
             raise invalid(f"max_tokens must be at least 1, got {budget}.", "max_tokens", budget)
         return budget
 
-    def _make_requests(self, api: str, params: Params, prompts: list[list[int]], base: str) -> _Group:
+    def _make_requests(
+        self, encoder: ApiEncoder, params: Params, prompts: list[list[int]], base: str
+    ) -> _Group:
         group = _Group()
         now = time.monotonic()
         for p_idx, ids in enumerate(prompts):
             max_tokens = self._max_tokens(params, len(ids))
-            callback_id = f"chatcmpl-{base}" if api == "chat.completions" else f"cmpl-{base}-{p_idx}"
+            callback_id = encoder.callback_id(base, p_idx)
             for j in range(params.n):
                 key = seed_key(ids, params.temperature, params.top_p, params.top_k, params.seed, j)
                 sp = SamplingParams(max_tokens, params.min_tokens, params.ignore_eos, params.stop, key)
@@ -210,7 +200,7 @@ class OpenAIServing:
                 if params.n > 1:
                     rid = f"{j}_{rid}"
                 req = Request(rid, ids, sp, now, on_output=_on_output, cache_salt=params.cache_salt)
-                seq = _Seq(req, p_idx * params.n + j)
+                seq = Choice(req, p_idx * params.n + j)
                 req.user = (seq, group)
                 if self.connector is not None:
                     kv_params = params.kv_transfer_params
@@ -220,17 +210,19 @@ class OpenAIServing:
                 group.seqs.append(seq)
         return group
 
-    async def _generate(self, request, api, model, params, prompts, base) -> web.StreamResponse:
+    async def _generate(
+        self, request, encoder: ApiEncoder, model, params, prompts, base
+    ) -> web.StreamResponse:
         try:
-            group = self._make_requests(api, params, prompts, base)
+            group = self._make_requests(encoder, params, prompts, base)
         except APIError as e:
             return e.response()
         for seq in group.seqs:
             self.engine.add_request(seq.req)
         try:
             if params.stream:
-                return await self._stream(request, api, model, params, group, base)
-            return await self._full(api, model, params, group, base)
+                return await self._stream(request, encoder, model, params, group, base)
+            return await self._full(encoder, model, params, group, base)
         finally:
             for seq in group.seqs:
                 self.engine.abort(seq.req)
@@ -243,7 +235,7 @@ class OpenAIServing:
         group.waiter = asyncio.get_running_loop().create_future()
         await group.waiter
 
-    def _consume(self, seq: _Seq) -> tuple[list[int], str | None]:
+    def _consume(self, seq: Choice) -> tuple[list[int], str | None]:
         """Takes the sequence's pending tokens; applies stop strings. Returns (tokens, stop string hit)."""
         tokens, seq.pending = seq.pending, []
         stops = seq.req.params.stop
@@ -266,7 +258,9 @@ class OpenAIServing:
 
     # -- non-streaming ----------------------------------------------------------------------------------------
 
-    async def _full(self, api, model, params: Params, group: _Group, base: str) -> web.Response:
+    async def _full(
+        self, encoder: ApiEncoder, model, params: Params, group: _Group, base: str
+    ) -> web.Response:
         while True:
             for seq in group.seqs:
                 tokens, _ = self._consume(seq)
@@ -280,17 +274,12 @@ class OpenAIServing:
                 raise_error = APIError(seq.req.stop_reason or "engine error", 500)
                 return raise_error.response()
         kv_params = None
-        for seq in group.seqs:
-            req = seq.req
-            if self.connector is not None and req.kv_transfer_params:
-                params_in = req.kv_transfer_params
-                if params_in.get("do_remote_decode") and params_in.get("remote_host") is not None:
-                    try:
-                        await self.connector.push(req, params_in)
-                    except (OSError, ValueError, TimeoutError) as e:
-                        return APIError(f"KV push to the decode engine failed: {e}", 500).response()
-                kv_params = self.connector.finished_params(req) or kv_params
-        created = int(time.time())
+        if self.connector is not None:
+            for seq in group.seqs:
+                try:
+                    kv_params = await self.connector.complete(seq.req) or kv_params
+                except (OSError, ValueError, TimeoutError) as e:
+                    return APIError(f"KV push to the decode engine failed: {e}", 500).response()
         prompt_tokens = sum(len(s.req.prompt_token_ids) for s in group.seqs[:: params.n])
         completion_tokens = sum(len(s.req.output_token_ids) for s in group.seqs)
         usage = {
@@ -300,64 +289,17 @@ class OpenAIServing:
             "prompt_tokens_details": None,
             "completion_tokens_details": None,
         }
-        k = params.logprobs
-        lp = self.logprobs
-        choices = []
-        for seq in group.seqs:
-            text = "".join(seq.text) + seq.held
-            req = seq.req
-            key = req.params.seed_key
-            out = req.output_token_ids
-            if api == "chat.completions":
-                message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                           "function_call": None, "reasoning": None}  # fmt: skip
-                logprobs = lp.chat(key, out, 0, k) if k is not None else None
-                choices.append({"index": seq.index, "message": message, "logprobs": logprobs,
-                                "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
-                                "token_ids": None, "routed_experts": None})  # fmt: skip
-            else:
-                prompt = req.prompt_token_ids if params.echo else None
-                if params.echo:
-                    text = self.tokenizer.decode(req.prompt_token_ids) + text
-                logprobs = lp.completion(key, out, 0, k, 0, prompt) if k is not None else None
-                prompt_lp = (
-                    lp.prompt_logprobs(key, req.prompt_token_ids, k)
-                    if (k is not None and params.echo)
-                    else None
-                )
-                choices.append({"index": seq.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
-                                "token_ids": None, "prompt_logprobs": prompt_lp, "prompt_token_ids": None,
-                                "routed_experts": None})  # fmt: skip
-        if api == "chat.completions":
-            body = {"id": f"chatcmpl-{base}", "object": "chat.completion", "created": created, "model": model,
-                    "choices": choices, "service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage,
-                    "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
-                    "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}  # fmt: skip
-        else:
-            body = {"id": f"cmpl-{base}", "object": "text_completion", "created": created, "model": model,
-                    "choices": choices, "service_tier": None, "system_fingerprint": self.fingerprint, "usage": usage,
-                    "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}  # fmt: skip
-        return json_response(body)
+        return json_response(encoder.body(model, params, base, group.seqs, usage, kv_params))
 
     # -- streaming --------------------------------------------------------------------------------------------
 
     async def _stream(
-        self, request, api, model, params: Params, group: _Group, base: str
+        self, request, encoder: ApiEncoder, model, params: Params, group: _Group, base: str
     ) -> web.StreamResponse:
-        """vLLM's chunks: completions send one chunk per token (`prompt_token_ids` and `token_ids` null, the
-        prompt ids on an echoed first chunk); chat sends a role chunk per choice first (with top-level
-        `prompt_token_ids` / `prompt_text`), then token chunks; each choice's last chunk has its finish reason,
-        chat's a `stop_reason`, and the top-level `system_fingerprint` unless a usage chunk follows (then it
-        carries it); continuous usage adds the choice's usage so far to every chunk."""
-        chat = api == "chat.completions"
-        created = int(time.time())
-        rid = f"chatcmpl-{base}" if chat else f"cmpl-{base}"
-        obj = b"chat.completion.chunk" if chat else b"text_completion"
-        head = (
-            b'data: {"id":' + encode(rid) + b',"object":"' + obj + b'","created":' + str(created).encode()
-            + b',"model":' + encode(model) + b',"choices":[{"index":'
-        )  # fmt: skip
+        """vLLM's SSE: the encoder's opening chunks, then per choice its text as it comes (one chunk per token, or
+        per wake-up while stop strings may still match), its last chunk with the finish reason, an error chunk
+        after a failed choice, the usage chunk when asked for, and `[DONE]`."""
+        chunks = encoder.stream(model, params, base, group.seqs)
         # Wait for the first output before answering, so errors before it are proper JSON errors.
         while not any(s.pending or s.finished for s in group.seqs):
             await self._wait(group)
@@ -370,57 +312,9 @@ class OpenAIServing:
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         jtext = self._jtext
-        index_bytes = [str(s.index).encode() for s in group.seqs]
-        k = params.logprobs
-        continuous = params.include_usage and params.continuous_usage
-        fp_on_finish = b"" if params.include_usage else self._fp
+        token_chunk = chunks.token
         done: set[int] = set()
-
-        def usage_of(seq: _Seq, chat_details: bool) -> bytes:
-            if not continuous:
-                return b""
-            p, c = len(seq.req.prompt_token_ids), seq.emitted
-            usage: dict[str, int | None] = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
-            if chat_details:
-                usage["completion_tokens_details"] = None
-            return b',"usage":' + encode(usage)
-
-        def token_chunk(
-            k_: int, seq: _Seq, text: bytes, toks: list[int], final: bool, prompt_ids: bytes
-        ) -> bytes:
-            logprobs = b"null"
-            if k is not None and toks:
-                key = seq.req.params.seed_key
-                if chat:
-                    logprobs = encode(self.logprobs.chat(key, toks, seq.emitted, k))
-                else:
-                    d = self.logprobs.completion(key, toks, seq.emitted, k, seq.offset)
-                    seq.offset = d["text_offset"][-1] + len(d["tokens"][-1])
-                    logprobs = encode(d)
-            seq.emitted += len(toks)
-            if final:
-                req = seq.req
-                fin = encode(req.finish_reason or "stop")
-                sr = b',"stop_reason":' + encode(req.stop_reason)
-            else:
-                fin, sr = b"null", b""
-            idx = index_bytes[k_]
-            if chat:
-                out = (head + idx + b',"delta":{"content":' + text + b'},"logprobs":' + logprobs
-                       + b',"finish_reason":' + fin + sr + b',"token_ids":null}]')  # fmt: skip
-            else:
-                out = (head + idx + b',"text":' + text + b',"logprobs":' + logprobs + b',"finish_reason":' + fin
-                       + (sr or b',"stop_reason":null') + b',"prompt_token_ids":' + prompt_ids
-                       + b',"token_ids":null}]')  # fmt: skip
-            return out + usage_of(seq, chat) + (fp_on_finish if final else b"") + b"}\n\n"
-
-        parts: list[bytes] = []
-        if chat:  # every choice's role chunk comes first, as vLLM sends them
-            for n_, seq in enumerate(group.seqs):
-                seq.sent_role = True
-                parts.append(head + index_bytes[n_] + b',"delta":{"role":"assistant","content":""},"logprobs":null,'
-                             b'"finish_reason":null}]' + usage_of(seq, True)
-                             + b',"prompt_token_ids":null,"prompt_text":null}\n\n')  # fmt: skip
+        parts = chunks.opening()
         while True:
             for n_, seq in enumerate(group.seqs):
                 if n_ in done:
@@ -428,8 +322,8 @@ class OpenAIServing:
                 tokens, _ = self._consume(seq)
                 prefix = ""
                 prompt_ids = b"null"
-                if params.echo and not seq.sent_role:
-                    seq.sent_role = True  # completions: the echoed prompt leads the first chunk
+                if params.echo and not seq.started:
+                    seq.started = True  # completions: the echoed prompt leads the first chunk
                     prefix = self.tokenizer.decode(seq.req.prompt_token_ids)
                     prompt_ids = encode(seq.req.prompt_token_ids)
                 if seq.req.params.stop:
@@ -462,12 +356,7 @@ class OpenAIServing:
             if finished and params.include_usage:
                 prompt_tokens = sum(len(s.req.prompt_token_ids) for s in group.seqs[:: params.n])
                 completion_tokens = sum(len(s.req.output_token_ids) for s in group.seqs)
-                usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                         "completion_tokens": completion_tokens}  # fmt: skip
-                parts.append(
-                    b'data: {"id":' + encode(rid) + b',"object":"' + obj + b'","created":' + str(created).encode()
-                    + b',"model":' + encode(model) + b',"choices":[],"usage":' + encode(usage) + self._fp + b"}\n\n"
-                )  # fmt: skip
+                parts.append(chunks.usage(prompt_tokens, completion_tokens))
             if finished:
                 parts.append(_DONE)
             if parts:

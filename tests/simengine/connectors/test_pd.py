@@ -316,7 +316,7 @@ async def test_example_connector_shared_storage(engines, tmp_path):
 
 
 needs_mooncake = pytest.mark.skipif(
-    __import__("simengine.mooncake", fromlist=["available"]).available() is not None,
+    __import__("simengine.connectors.mooncake_transport", fromlist=["available"]).available() is not None,
     reason="Mooncake transfer engine not installed (the `mooncake` extra and Debian libibverbs1)",
 )
 

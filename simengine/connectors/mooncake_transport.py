@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-log = logging.getLogger("simengine.mooncake")
+log = logging.getLogger("simengine.connectors.mooncake")
 
 GET_META_MSG = b"get_meta_msg"
 DONE_RECVING_MSG = b"done_recving_msg"

@@ -1,0 +1,61 @@
+"""What every connector shares: the engine it serves, its background tasks, and how a transfer ends (the KV
+arrived after the profile's transfer time, or it did not and the prompt is computed here)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from simengine.config import EngineConfig
+    from simengine.engine import Engine
+    from simengine.request import Request
+
+
+class ConnectorBase:
+    """Shared state and transfer endings of the connectors; not a connector by itself."""
+
+    def __init__(self, cfg: EngineConfig, engine: Engine) -> None:
+        self.cfg = cfg
+        #: The `--kv-transfer-config` keys (role, connector name, address, extra config).
+        self.kt = cfg.kv_transfer
+        self.engine = engine
+        self.metrics = engine.metrics
+        base = int(self.kt.kv_connector_extra_config.get("kv_port", self.kt.kv_port) or 0)
+        #: The configured KV port, offset per DP rank as vLLM does (0: a free port); connectors that bind one
+        #: replace it with the bound port.
+        self.port = base + cfg.dp_rank * cfg.tp_size if base else 0
+        #: Transfers and timers in flight, cancelled by `stop`.
+        self._tasks: set[asyncio.Task] = set()
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _done(self, req: Request, ok: bool, tokens: int = 0) -> None:
+        """Ends a request's transfer: `tokens` leading prompt tokens arrived (ok) or none did (compute them)."""
+        req.remote_kv_done = True
+        req.remote_kv_ok = ok
+        req.num_remote_tokens = tokens
+        if ok:
+            self.metrics.kv_transfer_tokens.inc(tokens)
+        self.engine.wake()
+
+    async def _arrive(self, req: Request, tokens: int) -> None:
+        """The KV of `tokens` prompt tokens was received: lets the profile's transfer time pass, then hands it to
+        the request unless the request ended meanwhile."""
+        await asyncio.sleep(self.engine.profile.transfer_s(tokens) / self.cfg.speedup)
+        if not req.is_finished:
+            self._done(req, True, tokens)
+
+    def _fall_back(self, req: Request) -> None:
+        """A transfer failed: counted, and the request computes its prompt here."""
+        self.metrics.kv_transfer_failures.inc()
+        self.metrics.kv_transfer_fallbacks.inc()
+        self._done(req, False)
