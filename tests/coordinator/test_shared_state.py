@@ -17,8 +17,7 @@ from coordinator.shared_state import (
     encode_instance,
 )
 from tandem.engine_load import EngineLoad
-from tests.etcd_server import Etcd
-from tests.helpers import eventually
+from tests.helpers import Etcd, eventually
 
 INFO = InstanceInfo("e1", "m", "127.0.0.1:7001", "hybrid", "aggregated", node_id="n1")
 
