@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,16 @@ async def eventually(
         if loop.time() > deadline:
             raise TimedOut(f"timed out after {timeout:g}s waiting for {what or describe(predicate)}")
         await asyncio.sleep(interval)
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """True when a GET of `url` succeeds; False while nothing answers there yet (refused, timed out, or an HTTP error
+    status)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def describe(predicate: Callable[[], Any]) -> str:
