@@ -1,4 +1,4 @@
-"""KV events on ZMQ, decoded by a subscriber written from WIRE.md alone (not from simengine's code)."""
+"""KV events on ZMQ, decoded by a subscriber written from docs/wire.md alone (not from simengine's code)."""
 
 import msgspec
 import zmq
@@ -9,7 +9,7 @@ END = (-1).to_bytes(8, "big", signed=True)
 
 
 def decode_batch(payload: bytes):
-    """WIRE.md: batch = [ts, [events], dp_rank] (or a map at the outer level); events are maps tagged "type"
+    """docs/wire.md: batch = [ts, [events], dp_rank] (or a map at the outer level); events are maps tagged "type"
     (current) or arrays with the tag first (legacy). Returns (dp_rank, [normalised event dicts])."""
     batch = msgspec.msgpack.decode(payload)
     if isinstance(batch, dict):
@@ -96,7 +96,7 @@ class Subscriber:
 
 
 def replay(endpoint: str, start: int):
-    """WIRE.md: DEALER sends ["", seq]; replies ["", (topic,) seq, payload]; end marker seq -1, empty payload."""
+    """docs/wire.md: DEALER sends ["", seq]; replies ["", (topic,) seq, payload]; end marker seq -1, empty payload."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
     sock.send_multipart([b"", start.to_bytes(8, "big")])

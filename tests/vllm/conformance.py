@@ -261,7 +261,7 @@ def unexplained(case: str, diffs: list[tuple[str, Any, Any]], allowed: dict[str,
 
 
 def replay(endpoint: str, start: int, timeout: float = 10.0) -> list[tuple[int, Any]]:
-    """Every buffered batch from `start` on, as (seq, decoded batch), through a DEALER (WIRE.md)."""
+    """Every buffered batch from `start` on, as (seq, decoded batch), through a DEALER (docs/wire.md)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
