@@ -18,6 +18,7 @@ and the time to recover. At the end every workload counter must be back to zero.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.harness import free_ports
+from bench.harness import Etcd, free_ports, wait_until
 from bench.steady_load import SteadyLoad
 from mesh.config import parse_mesh_config
 from tandem import tls
@@ -47,49 +48,6 @@ MODEL = "tandem-sim"
 IDLE_TIMEOUT_S = 3.0
 
 
-def free_port_on(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class EtcdProcess:
-    """One etcd member on loopback (Debian's `etcd-server`), which the chaos run kills and starts again."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.port, self.peer = free_ports(2)
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        url, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer}"
-        self.process = subprocess.Popen(
-            ["etcd", "--name", "chaos", "--data-dir", str(self.data_dir), "--listen-client-urls", url,
-             "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"chaos={peer}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        wait(self.healthy, 30, "etcd up")
-
-    def healthy(self) -> bool:
-        env = {"ETCDCTL_API": "3", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-        result = subprocess.run(
-            ["etcdctl", "--endpoints", self.endpoint, "endpoint", "health"],
-            capture_output=True,
-            env=env,
-            timeout=10,
-        )
-        return result.returncode == 0
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-
 def multi_node_config(engines_per_node: int = 1, speedup: float = 10, etcd: str | None = None) -> dict:
     """Three nodes on 127.0.{1,2,3}.1, each with an agent and `engines_per_node` simengines; with an etcd endpoint,
     two coordinator replicas sharing it and two conductor replicas."""
@@ -97,11 +55,12 @@ def multi_node_config(engines_per_node: int = 1, speedup: float = 10, etcd: str 
     addr = [f"127.0.0.1:{p}" for p in ports]
     agents = []
     for n, host in enumerate(NODES, start=1):
+        listen, metrics, *engine_ports = free_ports(2 + engines_per_node, host)
         agents.append(
             {
                 "node_id": f"n{n}",
-                "listen": f"{host}:{free_port_on(host)}",
-                "metrics_listen": f"{host}:{free_port_on(host)}",
+                "listen": f"{host}:{listen}",
+                "metrics_listen": f"{host}:{metrics}",
                 "runtime_dir": tempfile.mkdtemp(prefix=f"tandem-chaos-n{n}-"),
                 "restart": {"initial_backoff_s": 0.2, "max_backoff_s": 1.0},
                 "engines": [
@@ -109,10 +68,10 @@ def multi_node_config(engines_per_node: int = 1, speedup: float = 10, etcd: str 
                         "instance_id": f"n{n}-sim-{i}",
                         "model": MODEL,
                         "host": host,
-                        "port": free_port_on(host),
+                        "port": port,
                         "args": ["--speedup", str(speedup)],
                     }
-                    for i in range(engines_per_node)
+                    for i, port in enumerate(engine_ports)
                 ],
             }
         )
@@ -145,7 +104,7 @@ def multi_node_config(engines_per_node: int = 1, speedup: float = 10, etcd: str 
 class UpProcess:
     """`tandem up` in a subprocess, with what the faults need to find and watch its processes."""
 
-    def __init__(self, config: dict, workdir: Path, etcd: EtcdProcess | None = None) -> None:
+    def __init__(self, config: dict, workdir: Path, etcd: Etcd | None = None) -> None:
         self.config = config
         self.etcd = etcd
         self.workdir = workdir
@@ -247,20 +206,10 @@ class UpProcess:
             return resp.status == 200
 
 
-def wait(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if quietly(predicate):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-
-
-def quietly(predicate: Callable[[], object]) -> bool:
-    try:
-        return bool(predicate())
-    except (grpc.RpcError, OSError, KeyError, ValueError, TypeError):
-        return False
+#: What a check of a mesh in the middle of a fault may raise while it recovers: "not yet", not a failure.
+TRANSIENT = (grpc.RpcError, OSError, KeyError, ValueError, TypeError)
+#: `wait(predicate, timeout, what)`: the shared wait, every tenth of a second, through transient errors.
+wait = functools.partial(wait_until, interval=0.1, ignore=TRANSIENT)
 
 
 # --- faults: each injects itself and returns the predicate that says the mesh recovered ------------------------
@@ -523,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="markdown file for the table")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tandem-chaos-") as tmp:
-        etcd = EtcdProcess(Path(tmp) / "etcd") if shutil.which("etcd") else None
+        etcd = Etcd(Path(tmp) / "etcd") if shutil.which("etcd") else None
         if etcd is not None:
             etcd.start()
         else:
@@ -538,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             up.stop()
             if etcd is not None:
-                etcd.kill()
+                etcd.stop()
     text = table(results)
     print(text)
     if args.output:

@@ -18,14 +18,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import yaml
 
-from bench.harness import free_ports
+from bench.harness import TimedOut, free_ports, http_ok, wait_until
 from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 _REPLY = (
@@ -84,16 +83,12 @@ def start_null(count: int) -> tuple[subprocess.Popen, list[str]]:
     ports = free_ports(count)
     proc = subprocess.Popen([sys.executable, "-m", "bench.decision_only", "--serve-null", *map(str, ports)])
     addresses = [f"127.0.0.1:{p}" for p in ports]
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            req = urllib.request.Request(f"http://{addresses[-1]}/health")
-            urllib.request.urlopen(req, timeout=1).read()
-            return proc, addresses
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the do-nothing upstream did not start")
+    try:
+        wait_until(lambda: http_ok(f"http://{addresses[-1]}/health"), 20, "the do-nothing upstream", 0.1)
+    except TimedOut:
+        proc.kill()
+        raise RuntimeError("the do-nothing upstream did not start") from None
+    return proc, addresses
 
 
 class Registrar:
@@ -221,16 +216,23 @@ class BeforeTandem:
         argv += ["--log-level", "error", "--concurrency", "1"]
         self.processes["envoy"] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         admin = self.config["envoy"]["admin_listen"]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://{admin}/ready", timeout=1).read()
-                with grpc.insecure_channel(self.coordinator) as ch:
-                    grpc.channel_ready_future(ch).result(timeout=1)
-                return
-            except (OSError, grpc.FutureTimeoutError):
-                time.sleep(0.2)
-        raise RuntimeError(f"Tandem before ({self.ref}) did not start; see {log.name}")
+
+        def started() -> bool:
+            urllib.request.urlopen(f"http://{admin}/ready", timeout=1).read()
+            with grpc.insecure_channel(self.coordinator) as ch:
+                grpc.channel_ready_future(ch).result(timeout=1)
+            return True
+
+        try:
+            wait_until(
+                started,
+                30,
+                "Envoy and the coordinator",
+                interval=0.2,
+                ignore=(OSError, grpc.FutureTimeoutError),
+            )
+        except TimedOut:
+            raise RuntimeError(f"Tandem before ({self.ref}) did not start; see {log.name}") from None
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items()}

@@ -27,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
-from bench.harness import free_ports
+from bench.harness import TimedOut, free_ports, wait_until
 from bench.overhead import cpu_seconds
 from bench.replay import percentile
 
@@ -194,15 +194,16 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                        grpc.channel_ready_future(ch).result(timeout=1)
-                    break
-                except grpc.FutureTimeoutError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("decision service did not start") from None
+
+            def serving(address: str = f"127.0.0.1:{port}") -> bool:
+                with grpc.insecure_channel(address) as ch:
+                    grpc.channel_ready_future(ch).result(timeout=1)
+                return True
+
+            try:
+                wait_until(serving, 30, "the decision service", interval=0, ignore=(grpc.FutureTimeoutError,))
+            except TimedOut:
+                raise RuntimeError("decision service did not start") from None
             cpu0 = cpu_seconds(proc.pid)
             small, huge = asyncio.run(load(port, args))
             cpu = cpu_seconds(proc.pid) - cpu0

@@ -1,23 +1,160 @@
-"""Shared by benchmarks and end-to-end tests: free loopback ports and mesh configs for simulated fleets."""
+"""Shared by benchmarks and tests: free loopback ports, waiting for a condition with a deadline, a throwaway etcd
+member, and mesh configs for simulated fleets. Tests reach these through `tests.helpers` (their one helper module);
+they live here so that a benchmark imports them without the test helpers' heavier imports (grpcio-testing, the
+components' internals).
+
+Waiting is always for a condition, never for a fixed time: `wait_until` (plain code) and `eventually` (asyncio) poll
+a predicate until it holds and fail naming what they waited for.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import os
 import socket
+import subprocess
 import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# -- ports -------------------------------------------------------------------------------------------------------
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free TCP ports on `host` (held open together so they differ)."""
     sockets = []
     try:
         for _ in range(count):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One free TCP port on `host` (a process that needs several takes them with one `free_ports` call)."""
+    return free_ports(1, host)[0]
+
+
+# -- waiting -----------------------------------------------------------------------------------------------------
+
+
+class TimedOut(AssertionError):
+    """A wait's condition did not hold by its deadline: an AssertionError, so that a test fails on it; its own type,
+    so that a caller can tell it from an assertion in the predicate."""
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,
+    what: str = "",
+    interval: float = 0.02,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """Calls `predicate` until it returns a true value and returns that value; `TimedOut` naming `what` (or the
+    predicate) after `timeout` seconds. An exception of a type in `ignore` counts as "not yet" (a server still
+    starting refuses connections); any other propagates."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+        except ignore:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimedOut(f"timed out after {timeout:g}s waiting for {what or describe(predicate)}")
+        time.sleep(interval)
+
+
+async def eventually(
+    predicate: Callable[[], Any], timeout: float = 10.0, what: str = "", interval: float = 0.02
+) -> Any:
+    """`wait_until` for asyncio: yields to the loop between calls; `predicate` may be a coroutine function."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise TimedOut(f"timed out after {timeout:g}s waiting for {what or describe(predicate)}")
+        await asyncio.sleep(interval)
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """True when a GET of `url` succeeds; False while nothing answers there yet (refused, timed out, or an HTTP error
+    status)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def describe(predicate: Callable[[], Any]) -> str:
+    """The source of `predicate` (what a timed-out wait was waiting for), else its repr."""
+    try:
+        return inspect.getsource(predicate).strip()
+    except (OSError, TypeError):
+        return repr(predicate)
+
+
+# -- etcd --------------------------------------------------------------------------------------------------------
+
+
+class Etcd:
+    """One throwaway etcd member on loopback (Debian's `etcd-server` and `etcd-client`). `stop` kills it as a crash
+    would; `start` again brings it back on the same ports and data directory (an outage)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        # Client and peer port from one call: both are held open together, so they cannot come out the same.
+        self.port, self.peer = free_ports(2)
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30) -> None:
+        url, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer}"
+        self.process = subprocess.Popen(
+            ["etcd", "--name", "tandem", "--data-dir", str(self.data_dir), "--listen-client-urls", url,
+             "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"tandem={peer}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_until(self._started, timeout, "etcd up", interval=0.1)
+
+    def _started(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:  # e.g. a port taken meanwhile: say so now, not at the deadline
+            raise RuntimeError(f"etcd exited with {self.process.returncode} (ports {self.port}, {self.peer})")
+        return self.healthy()
+
+    def healthy(self) -> bool:
+        result = subprocess.run(
+            ["etcdctl", "--endpoints", self.endpoint, "endpoint", "health"],
+            capture_output=True,
+            env={"ETCDCTL_API": "3", "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            timeout=10,
+        )
+        return result.returncode == 0
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+# -- meshes ------------------------------------------------------------------------------------------------------
 
 
 def mesh_config(

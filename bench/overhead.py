@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import aiohttp
 import yaml
 
 from bench.decision_only import BeforeTandem, Registrar, start_null
-from bench.harness import free_ports, mesh_config
+from bench.harness import free_ports, http_ok, mesh_config, wait_until
 from bench.peers import PEERS, start_peer, version
 from bench.replay import percentile
 from mesh.config import parse_mesh_config
@@ -234,13 +233,7 @@ class Bench:
         argv = [envoy_binary(), "-c", str(path), "--base-id", str(ports[0]), "--log-level", "error"]
         proc = subprocess.Popen([*argv, "--concurrency", "1"])
         self.others.append(proc)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/ready", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{ports[2]}/ready"), 30, "the ext_proc Envoy ready", 0.1)
         return f"http://127.0.0.1:{ports[0]}/v1/completions", proc.pid
 
     def start(self) -> list[Path_]:

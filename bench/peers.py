@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import free_ports
+from bench.harness import TimedOut, free_ports, http_ok, wait_until
 
 #: label -> (router, policy)
 PEERS: dict[str, tuple[str, str]] = {
@@ -76,16 +73,15 @@ def start_peer(label: str, engines: list[str], workdir: Path, timeout_s: float =
         _command(router, policy, port, prom, workers), stdout=log, stderr=subprocess.STDOUT
     )
     peer = PeerRouter(label, proc, f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def routes() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{label} exited with {proc.returncode}; see {log.name}")
-        try:
-            with urllib.request.urlopen(peer.url + "/v1/models", timeout=2) as resp:
-                if resp.status == 200:
-                    return peer
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    peer.stop()
-    raise RuntimeError(f"{label} did not answer within {timeout_s:.0f} s; see {log.name}")
+        return http_ok(peer.url + "/v1/models", 2)
+
+    try:
+        wait_until(routes, timeout_s, label, 0.2)
+    except TimedOut:
+        peer.stop()
+        raise RuntimeError(f"{label} did not answer within {timeout_s:.0f} s; see {log.name}") from None
+    return peer

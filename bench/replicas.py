@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.chaos import EtcdProcess, UpProcess, wait
-from bench.harness import mesh_config
+from bench.chaos import UpProcess, wait
+from bench.harness import Etcd, mesh_config
 from bench.steady_load import SteadyLoad
 
 
@@ -35,7 +35,7 @@ def measure(replicas: int, seconds: float, clients: int, workdir: Path) -> dict[
     etcd = None
     config = mesh_config(engines=3, engine_args=["--speedup", "1000"])
     if replicas > 1:
-        etcd = EtcdProcess(workdir / "etcd")
+        etcd = Etcd(workdir / "etcd")
         etcd.start()
         config["coordinator"].update(replicas=replicas, etcd={"endpoint": etcd.endpoint, "prefix": "/bench"})
     up = UpProcess(config, workdir)
@@ -62,7 +62,7 @@ def measure(replicas: int, seconds: float, clients: int, workdir: Path) -> dict[
     finally:
         up.stop()
         if etcd is not None:
-            etcd.kill()
+            etcd.stop()
 
 
 def table(rows: list[dict[str, float]]) -> str:

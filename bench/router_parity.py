@@ -27,16 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.vllm.conformance import (
-    BLOCK_SIZE,
-    MAX_MODEL_LEN,
-    MODEL,
-    MODEL_NAME,
-    USABLE_BLOCKS,
-    VLLM_PYTHON,
-    free_port,
-    wait_until,
-)
+from bench.harness import free_ports, wait_until
+from tests.vllm.conformance import BLOCK_SIZE, MAX_MODEL_LEN, MODEL, MODEL_NAME, USABLE_BLOCKS, VLLM_PYTHON
 
 WORDS = ("cache", "router", "prefill", "decode", "engine", "block", "token", "prefix", "event", "replay")
 
@@ -52,9 +44,8 @@ def prompts(groups: int, per_group: int) -> list[str]:
 
 
 def start_engine(
-    kind: str, workdir: Path, name: str, extra: tuple[str, ...] = ()
+    kind: str, workdir: Path, name: str, port: int, extra: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, str, str, str]:
-    port = free_port()
     pub, replay = f"ipc://{workdir}/{name}.pub", f"ipc://{workdir}/{name}.replay"
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
                          "replay_endpoint": replay, "topic": ""})  # fmt: skip
@@ -92,9 +83,9 @@ def metric(url: str, name: str) -> float:
 SCALE_OUT = "vllm-router cache_aware, engines with --enable-scale-out"
 
 
-def router_argv(setup: str, port: int, workers: list[tuple[str, str, str]]) -> list[str]:
+def router_argv(setup: str, port: int, prom_port: int, workers: list[tuple[str, str, str]]) -> list[str]:
     urls = [w[0] for w in workers]
-    prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port)]
     if setup == "sglang-router cache_aware":
         return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                 *prom, "--policy", "cache_aware", "--worker-urls", *urls]  # fmt: skip
@@ -116,9 +107,11 @@ def router_argv(setup: str, port: int, workers: list[tuple[str, str, str]]) -> l
 def replay(
     setup: str, workers: list[tuple[str, str, str]], texts: list[str], workdir: Path, tag: str
 ) -> dict:
-    port = free_port()
+    port, prom_port = free_ports(2)  # one call: the router's two ports cannot come out the same
     log = open(workdir / f"router-{tag}.log", "wb")  # noqa: SIM115
-    router = subprocess.Popen(router_argv(setup, port, workers), stdout=log, stderr=subprocess.STDOUT)
+    router = subprocess.Popen(
+        router_argv(setup, port, prom_port, workers), stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     try:
 
@@ -171,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, setup in enumerate(args.setups):
         for kind in ("vllm", "sim"):  # fresh engines per setup: every replay starts from empty caches
             extra = ("--enable-scale-out",) if setup == SCALE_OUT else ()
-            started = [start_engine(kind, workdir, f"{kind}{i}-{n}", extra) for i in (0, 1)]
+            ports = free_ports(2)  # one call: the two engines' ports differ
+            started = [start_engine(kind, workdir, f"{kind}{i}-{n}", ports[i], extra) for i in (0, 1)]
             try:
                 for _, url, _, _ in started:
                     wait_until(lambda url=url: healthy(url), 900, f"{kind} engine {url}", 0.5)

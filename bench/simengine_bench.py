@@ -18,9 +18,8 @@ import random
 import subprocess
 import sys
 import time
-import urllib.request
 
-from bench.harness import free_ports
+from bench.harness import TimedOut, free_ports, http_ok, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,16 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def start_engine(port: int, *args: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "simengine", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("engine did not start")
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health", 0.5), 10, "the engine's /health", 0.05)
+    except TimedOut:
+        proc.kill()
+        raise RuntimeError("engine did not start") from None
+    return proc
 
 
 def _request(port: int, body: dict) -> bytes:

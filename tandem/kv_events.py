@@ -1,4 +1,4 @@
-"""Decoder of vLLM's ZMQ KV event batches into plain dataclasses (see `WIRE.md`).
+"""Decoder of vLLM's ZMQ KV event batches into plain dataclasses (see docs/wire.md).
 
 Both encodings are read:
 - legacy (vLLM <= ~0.23, msgspec `array_like` + `tag`): a batch is `[ts, [events], dp_rank?]` and each event an array

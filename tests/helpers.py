@@ -7,22 +7,20 @@ Waiting is always for a condition, never for a fixed time: `wait_until` (plain c
 poll a predicate until it holds and fail naming what they waited for. To assert that something did NOT happen,
 wait for a later event that would have come after it (a later message arrived, a counter moved), then assert.
 
-`free_ports` and `mesh_config` live in `bench.harness` (benchmarks start meshes too); they are re-exported here so
-that tests import their helpers from this module only.
+Free ports (`free_port`, `free_ports`), the two waits, the throwaway etcd member (`Etcd`; the `etcd` fixture in
+conftest.py starts one) and `mesh_config` live in `bench.harness`, since benchmarks need them too without this
+module's heavier imports; they are re-exported here so that tests import their helpers from this module only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,16 @@ import yaml
 from google.protobuf.descriptor import ServiceDescriptor
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness import free_ports, mesh_config
+from bench.harness import (
+    Etcd,
+    TimedOut,
+    describe,
+    eventually,
+    free_port,
+    free_ports,
+    mesh_config,
+    wait_until,
+)
 from conductor.app import SERVICE_NAME, Conductor
 from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig
@@ -57,8 +64,10 @@ __all__ = [
     "GRPCURL",
     "ROOT",
     "ConductorServer",
+    "Etcd",
     "RunningMesh",
     "ServicerCalls",
+    "TimedOut",
     "block_stored",
     "eventually",
     "free_port",
@@ -78,51 +87,6 @@ ROOT = Path(__file__).resolve().parents[1]
 GRPCURL = shutil.which(
     "grpcurl", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 )
-
-
-# -- ports and waiting -------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """One free TCP port on 127.0.0.1."""
-    return free_ports(1)[0]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "", interval: float = 0.02):
-    """Calls `predicate` until it returns a true value and returns that value; AssertionError naming `what` (or
-    the predicate) after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or _describe(predicate)}")
-        time.sleep(interval)
-
-
-async def eventually(
-    predicate: Callable[[], Any], timeout: float = 10.0, what: str = "", interval: float = 0.02
-):
-    """`wait_until` for asyncio: yields to the loop between calls; `predicate` may be a coroutine function."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or _describe(predicate)}")
-        await asyncio.sleep(interval)
-
-
-def _describe(predicate: Callable[[], Any]) -> str:
-    try:
-        return inspect.getsource(predicate).strip()
-    except (OSError, TypeError):
-        return repr(predicate)
 
 
 # -- the conductor -----------------------------------------------------------------------------------------------
@@ -174,7 +138,7 @@ class ConductorServer:
             stats = await self.stats()
             return stats if predicate(stats) else None
 
-        return await eventually(check, timeout, what or _describe(predicate))
+        return await eventually(check, timeout, what or describe(predicate))
 
     async def stop(self) -> None:
         if self._channel is not None:
@@ -349,7 +313,7 @@ class RunningMesh:
 
         try:
             wait_until(up, timeout, "tandem up", interval=0.2)
-        except AssertionError:
+        except TimedOut:
             raise RuntimeError(f"tandem up not ready in {timeout}s:\n{self.output.read_text()}") from None
 
     def admin(self) -> admin_pb2_grpc.AdminStub:

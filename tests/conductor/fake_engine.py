@@ -1,6 +1,6 @@
 """A fake vLLM KV event publisher for tests: PUB (XPUB, to know when a subscriber is there) + replay ROUTER.
 
-Wire format from WIRE.md: live `[topic, seq(8B BE), msgpack batch]`; replay request `["", seq]` from a DEALER,
+Wire format from docs/wire.md: live `[topic, seq(8B BE), msgpack batch]`; replay request `["", seq]` from a DEALER,
 replies `["", seq, payload]` (or `["", topic, seq, payload]`), end marker seq -1 with an empty payload.
 """
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import time
 
 import pytest
 
@@ -17,8 +17,7 @@ from coordinator.shared_state import (
     encode_instance,
 )
 from tandem.engine_load import EngineLoad
-from tests.etcd_server import Etcd
-from tests.helpers import eventually
+from tests.helpers import Etcd, eventually
 
 INFO = InstanceInfo("e1", "m", "127.0.0.1:7001", "hybrid", "aggregated", node_id="n1")
 
@@ -93,12 +92,17 @@ async def test_last_known_state_while_etcd_is_down_then_catch_up(etcd):
         await eventually(lambda: b.table.get("e1") is not None, 2.0, "registration seen")
         etcd.stop()
         await eventually(lambda: not b.connected, 5.0, "outage noticed")
+        lease_over = time.time() + a.ttl  # e1's lease was last refreshed before the outage
         late = InstanceInfo("e2", "m", "127.0.0.1:7002", "hybrid", "aggregated")
         a.registered(late)  # registered during the outage
-        for _ in range(3):  # longer than the lease: B keeps serving what it knew
-            a.reported("e1", Health.HEALTHY, EngineLoad())
-            await asyncio.sleep(0.5)
-            assert b.table.get("e1") is not None and b.table.get("e1").health is Health.HEALTHY
+        a.reported("e1", Health.HEALTHY, EngineLoad())
+
+        def kept_past_its_lease() -> bool:  # B keeps serving what it knew, refreshing it itself
+            state = b.table.get("e1")
+            assert state is not None and state.health is Health.HEALTHY
+            return state.last_heartbeat_at > lease_over
+
+        await eventually(kept_past_its_lease, 10.0, "B keeping e1 past the end of its lease")
         etcd.start()  # same data directory: the old leases have ended meanwhile
         await eventually(lambda: b.connected and b.table.get("e2") is not None, 10.0, "caught up")
         assert b.table.get("e1") is not None

@@ -5,15 +5,13 @@ the end."""
 
 from __future__ import annotations
 
-from bench.chaos import EtcdProcess, UpProcess, multi_node_config, run_chaos, table, wait, workload_zero
+from bench.chaos import UpProcess, multi_node_config, run_chaos, table, wait, workload_zero
 from tests.helpers import processes_mentioning
 
 
 def test_faults_in_turn_under_streaming_load(tmp_path, etcd):
     # Two coordinator replicas sharing the etcd, two conductor replicas; the run kills and restarts etcd too.
-    store = EtcdProcess(tmp_path / "chaos-etcd")
-    store.start()
-    up = UpProcess(multi_node_config(engines_per_node=1, etcd=store.endpoint), tmp_path, store)
+    up = UpProcess(multi_node_config(engines_per_node=1, etcd=etcd.endpoint), tmp_path, etcd)
     up.start()
     try:
         results = run_chaos(up, clients=6, gap_s=0.5)
@@ -25,6 +23,5 @@ def test_faults_in_turn_under_streaming_load(tmp_path, etcd):
         wait(lambda: workload_zero(up), 60, "workload back to zero")
     finally:
         assert up.stop() == 0
-        store.kill()
     assert processes_mentioning(str(up.config_path)) == []
     assert processes_mentioning("tandem-chaos-n") == []  # no engine left (their runtime dirs name them)

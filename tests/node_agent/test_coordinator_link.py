@@ -47,7 +47,20 @@ async def test_engines_are_registered_again_within_a_second_of_the_coordinator_c
         await eventually(lambda: ("register", "e") in first.events, 5, "registered")
         await server.stop(0)  # the coordinator dies
         await eventually(lambda: not link.registered, 5, "loss noticed")
-        await asyncio.sleep(1.5)  # down for a while: gRPC's own reconnect backoff would have grown by now
+        # Down for a while: the agent's channel tries to connect five times in a row (each attempt accepted, then
+        # cut), so gRPC's own reconnect backoff (1 s, then 1.6 s, 2.6 s, ...) would have grown far past a second.
+        attempts = []
+
+        def attempted(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            attempts.append(writer.get_extra_info("peername"))
+            writer.close()
+
+        dead = await asyncio.start_server(attempted, "127.0.0.1", port)
+        await eventually(
+            lambda: len(attempts) >= 5, 10, "five connection attempts while the coordinator is down"
+        )
+        dead.close()
+        await dead.wait_closed()
         back = FakeRegistry()
         server = await serve(back, port)
         loop = asyncio.get_running_loop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 from node_agent.processes import (
     EngineProcess,
@@ -18,6 +17,7 @@ from node_agent.processes import (
     stop_recorded,
     write_record,
 )
+from tests.helpers import wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -83,14 +83,10 @@ async def test_stop_recorded_stops_live_processes_and_clears_records(tmp_path):
     ]
     processes = [EngineProcess.launch(argv, {}, str(tmp_path / "log")) for argv in (SLEEPER, stubborn)]
     for i, process in enumerate(processes):
-        ticks = None
-        while ticks is None:  # the child exists as soon as Popen returns
-            ticks = start_ticks(process.pid)
+        # The child exists as soon as Popen returns.
+        ticks = wait_until(lambda pid=process.pid: start_ticks(pid), 10, "the child's start time", interval=0)
         write_record(state, ProcessRecord(f"e{i}", process.pid, ticks, SLEEPER, "", 0.0))
-    deadline = time.monotonic() + 10
-    while not ignores_sigterm(processes[1].pid):  # the stubborn one has installed SIG_IGN
-        assert time.monotonic() < deadline, "child never ignored SIGTERM"
-        time.sleep(0.02)
+    wait_until(lambda: ignores_sigterm(processes[1].pid), 10, "the stubborn child ignoring SIGTERM")
     write_record(state, ProcessRecord("gone", 999_999_999, 1, SLEEPER, "", 0.0))
     assert stop_recorded(state, grace_s=1.0) == ["e0", "e1"]
     assert [await p.wait() for p in processes] == [-signal.SIGTERM, -signal.SIGKILL]

@@ -205,15 +205,14 @@ async def test_drain_timeout_stops_anyway(tmp_path, registry):
 
 
 async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
-    store_port, *_ = free_ports(1)
+    store_port, listen_port, metrics_port, engine_port = free_ports(4)  # one call: no two come out the same
     server = (
         f"import socket,time;s=socket.socket();s.bind(('127.0.0.1',{store_port}));s.listen();time.sleep(60)"
     )
-    ports = free_ports(2)
     config = NodeAgentConfig(
         node_id="store",
-        listen=f"127.0.0.1:{ports[0]}",
-        metrics_listen=f"127.0.0.1:{ports[1]}",
+        listen=f"127.0.0.1:{listen_port}",
+        metrics_listen=f"127.0.0.1:{metrics_port}",
         runtime_dir=str(tmp_path / "rt"),
         probe_interval_s=0.2,
         services="kv_store",
@@ -222,7 +221,7 @@ async def test_kv_store_separated_runs_the_store_only(tmp_path, registry):
             "argv": [sys.executable, "-c", server],
             "health_address": f"127.0.0.1:{store_port}",
         },  # fmt: skip
-        engines=[{"instance_id": "never", "model": "m", "port": free_ports(1)[0]}],
+        engines=[{"instance_id": "never", "model": "m", "port": engine_port}],
     )
     agent = NodeAgent(config, registry.address, "127.0.0.1:1")
     assert list(agent.supervisors) == ["store-kv_store"]  # no engine in separated mode

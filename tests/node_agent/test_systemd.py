@@ -8,14 +8,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
 from node_agent.processes import read_records
 from node_agent.systemd import SystemdNotify
-from tests.helpers import ROOT, free_ports
+from tests.helpers import ROOT, free_ports, wait_until
 
 UNIT = ROOT / "deploy" / "systemd" / "tandem-agent.service"
 
@@ -102,9 +101,12 @@ def test_agent_sends_ready_then_watchdog(tmp_path):
     )  # fmt: skip
     try:
         messages = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sum(m == "WATCHDOG=1" for m in messages) < 2:
+
+        def two_watchdog_pings() -> bool:
             messages.append(server.recv(4096).decode())
+            return messages.count("WATCHDOG=1") >= 2
+
+        wait_until(two_watchdog_pings, 30, "READY then two watchdog pings", interval=0)
         assert messages[0].startswith("READY=1\nSTATUS=serving 127.0.0.1:")
         assert messages[1:3] == ["WATCHDOG=1", "WATCHDOG=1"]
         agent.terminate()  # systemctl stop/restart: the agent exits, its engine keeps serving

@@ -1,17 +1,15 @@
-"""KV events on ZMQ, decoded by a subscriber written from WIRE.md alone (not from simengine's code)."""
-
-import time
+"""KV events on ZMQ, decoded by a subscriber written from docs/wire.md alone (not from simengine's code)."""
 
 import msgspec
 import zmq
 
-from tests.helpers import free_port, wait_until
+from tests.helpers import TimedOut, free_port, wait_until
 
 END = (-1).to_bytes(8, "big", signed=True)
 
 
 def decode_batch(payload: bytes):
-    """WIRE.md: batch = [ts, [events], dp_rank] (or a map at the outer level); events are maps tagged "type"
+    """docs/wire.md: batch = [ts, [events], dp_rank] (or a map at the outer level); events are maps tagged "type"
     (current) or arrays with the tag first (legacy). Returns (dp_rank, [normalised event dicts])."""
     batch = msgspec.msgpack.decode(payload)
     if isinstance(batch, dict):
@@ -56,18 +54,22 @@ class Subscriber:
         self.events: list[dict] = []
         self.ranks: set = set()
 
-    def poll(self, until, timeout=5.0):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+    def poll(self, until, timeout=5.0) -> bool:
+        """Receives batches until `until(events)` holds; False when it does not within `timeout` seconds."""
+
+        def received() -> bool:
             if self.sub.poll(100):
                 topic, seq, payload = self.sub.recv_multipart()
                 self.seqs.append(int.from_bytes(seq, "big"))
                 dp, evs = decode_batch(payload)
                 self.ranks.add(dp)
                 self.events.extend(evs)
-            if until(self.events):
-                return True
-        return False
+            return until(self.events)
+
+        try:
+            return bool(wait_until(received, timeout, interval=0))
+        except TimedOut:
+            return False
 
     def join(self, engine, timeout=10.0):
         """Waits out ZMQ's slow joiner (a new SUB misses what is published before its subscription reaches the
@@ -94,7 +96,7 @@ class Subscriber:
 
 
 def replay(endpoint: str, start: int):
-    """WIRE.md: DEALER sends ["", seq]; replies ["", (topic,) seq, payload]; end marker seq -1, empty payload."""
+    """docs/wire.md: DEALER sends ["", seq]; replies ["", (topic,) seq, payload]; end marker seq -1, empty payload."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
     sock.send_multipart([b"", start.to_bytes(8, "big")])

@@ -10,11 +10,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,8 @@ from typing import Any
 import httpx
 import msgspec
 import zmq
+
+from tests.helpers import free_ports, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("TANDEM_VLLM_PYTHON", "")
@@ -32,24 +31,6 @@ MAX_MODEL_LEN = 512
 #: KV blocks a request can use: vLLM's `--num-gpu-blocks-override 24` keeps one as its null block.
 USABLE_BLOCKS = 23
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Polls `predicate` until it returns something truthy; fails after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass(slots=True)
@@ -100,8 +81,7 @@ def start_engines(workdir: Path, algo: str = "sha256", extra: tuple[str, ...] = 
               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enable-request-id-headers",
               "--prefix-caching-hash-algo", algo, *extra]  # fmt: skip
     engines = []
-    for name in ("vllm", "sim"):
-        port = free_port()
+    for name, port in zip(("vllm", "sim"), free_ports(2), strict=True):  # one call: the two ports differ
         events, pub, replay = _events_config(workdir, f"{name}-{algo}")
         if name == "vllm":
             argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--enforce-eager",
@@ -281,7 +261,7 @@ def unexplained(case: str, diffs: list[tuple[str, Any, Any]], allowed: dict[str,
 
 
 def replay(endpoint: str, start: int, timeout: float = 10.0) -> list[tuple[int, Any]]:
-    """Every buffered batch from `start` on, as (seq, decoded batch), through a DEALER (WIRE.md)."""
+    """Every buffered batch from `start` on, as (seq, decoded batch), through a DEALER (docs/wire.md)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import wait_until
 from tests.vllm.conformance import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -19,7 +20,6 @@ from tests.vllm.conformance import (
     shape,
     start_engines,
     unexplained,
-    wait_until,
 )
 
 M = MODEL_NAME
