@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from simengine.connectors.interface import KVConnector
-from simengine.encoders.interface import ApiEncoder, Choice, EncoderTools
+from simengine.encoders.interface import Answer, ApiEncoder, Choice, EncoderTools
 from simengine.encoders.registry import create_encoders
 from simengine.engine import Engine
 from simengine.logprobs import LogprobsBuilder
@@ -219,10 +219,11 @@ class OpenAIServing:
             return e.response()
         for seq in group.seqs:
             self.engine.add_request(seq.req)
+        answer = Answer(model, params, base, group.seqs)
         try:
             if params.stream:
-                return await self._stream(request, encoder, model, params, group, base)
-            return await self._full(encoder, model, params, group, base)
+                return await self._stream(request, encoder, answer, group)
+            return await self._full(encoder, answer, group)
         finally:
             for seq in group.seqs:
                 self.engine.abort(seq.req)
@@ -258,9 +259,8 @@ class OpenAIServing:
 
     # -- non-streaming ----------------------------------------------------------------------------------------
 
-    async def _full(
-        self, encoder: ApiEncoder, model, params: Params, group: _Group, base: str
-    ) -> web.Response:
+    async def _full(self, encoder: ApiEncoder, answer: Answer, group: _Group) -> web.Response:
+        params = answer.params
         while True:
             for seq in group.seqs:
                 tokens, _ = self._consume(seq)
@@ -289,17 +289,18 @@ class OpenAIServing:
             "prompt_tokens_details": None,
             "completion_tokens_details": None,
         }
-        return json_response(encoder.body(model, params, base, group.seqs, usage, kv_params))
+        return json_response(encoder.body(answer, usage, kv_params))
 
     # -- streaming --------------------------------------------------------------------------------------------
 
     async def _stream(
-        self, request, encoder: ApiEncoder, model, params: Params, group: _Group, base: str
+        self, request: web.Request, encoder: ApiEncoder, answer: Answer, group: _Group
     ) -> web.StreamResponse:
         """vLLM's SSE: the encoder's opening chunks, then per choice its text as it comes (one chunk per token, or
         per wake-up while stop strings may still match), its last chunk with the finish reason, an error chunk
         after a failed choice, the usage chunk when asked for, and `[DONE]`."""
-        chunks = encoder.stream(model, params, base, group.seqs)
+        params = answer.params
+        chunks = encoder.stream(answer)
         # Wait for the first output before answering, so errors before it are proper JSON errors.
         while not any(s.pending or s.finished for s in group.seqs):
             await self._wait(group)
@@ -308,7 +309,7 @@ class OpenAIServing:
                 return APIError(seq.req.stop_reason or "engine error", 500).response()
         headers = dict(_SSE_HEADERS)
         if self.request_id_headers:
-            headers["X-Request-Id"] = request.get("request_id") or base
+            headers["X-Request-Id"] = request.get("request_id") or answer.base
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         jtext = self._jtext

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from simengine.encoders.frame import StreamFrame, finish, running_usage
-from simengine.encoders.interface import Choice, EncoderTools
-from simengine.protocol import Params, encode
+from simengine.encoders.interface import Answer, Choice, EncoderTools
+from simengine.protocol import encode
 
 API = "chat.completions"
 _ROLE = b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
@@ -24,12 +24,10 @@ class ChatStream(StreamFrame):
 
     __slots__ = ("tools", "choices")
 
-    def __init__(
-        self, tools: EncoderTools, fp: bytes, base: str, model: str, params: Params, choices: list[Choice]
-    ) -> None:
-        super().__init__(f"chatcmpl-{base}", b"chat.completion.chunk", model, params, choices, fp)
+    def __init__(self, tools: EncoderTools, fp: bytes, answer: Answer) -> None:
+        super().__init__(answer, f"chatcmpl-{answer.base}", b"chat.completion.chunk", fp)
         self.tools = tools
-        self.choices = choices
+        self.choices = answer.choices
 
     def opening(self) -> list[bytes]:
         parts = []
@@ -80,23 +78,16 @@ class ChatEncoder:
     def callback_id(self, base: str, prompt_index: int) -> str:
         return f"chatcmpl-{base}"  # one prompt per chat request
 
-    def stream(self, model: str, params: Params, base: str, choices: list[Choice]) -> ChatStream:
-        return ChatStream(self.tools, self._fp, base, model, params, choices)
+    def stream(self, answer: Answer) -> ChatStream:
+        return ChatStream(self.tools, self._fp, answer)
 
-    def body(
-        self,
-        model: str,
-        params: Params,
-        base: str,
-        choices: list[Choice],
-        usage: dict,
-        kv_params: dict | None,
-    ) -> dict:
+    def body(self, answer: Answer, usage: dict, kv_params: dict | None) -> dict:
         created = int(time.time())
+        params = answer.params
         lp = self.tools.logprobs
         k = params.logprobs
         out = []
-        for choice in choices:
+        for choice in answer.choices:
             req = choice.req
             message = {"role": "assistant", "content": choice.answer_text(), "refusal": None, "annotations": None,
                        "audio": None, "function_call": None, "reasoning": None}  # fmt: skip
@@ -104,7 +95,7 @@ class ChatEncoder:
             out.append({"index": choice.index, "message": message, "logprobs": logprobs,
                         "finish_reason": req.finish_reason, "stop_reason": req.stop_reason, "token_ids": None,
                         "routed_experts": None})  # fmt: skip
-        return {"id": f"chatcmpl-{base}", "object": "chat.completion", "created": created, "model": model,
+        return {"id": f"chatcmpl-{answer.base}", "object": "chat.completion", "created": created, "model": answer.model,
                 "choices": out, "service_tier": None, "system_fingerprint": self.tools.fingerprint, "usage": usage,
                 "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
                 "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}  # fmt: skip

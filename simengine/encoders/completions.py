@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from simengine.encoders.frame import StreamFrame, finish, running_usage
-from simengine.encoders.interface import Choice, EncoderTools
-from simengine.protocol import Params, encode
+from simengine.encoders.interface import Answer, Choice, EncoderTools
+from simengine.protocol import encode
 
 API = "completions"
 _NOT_FINISHED = b',"finish_reason":null,"stop_reason":null'
@@ -23,10 +23,8 @@ class CompletionsStream(StreamFrame):
 
     __slots__ = ("tools",)
 
-    def __init__(
-        self, tools: EncoderTools, fp: bytes, base: str, model: str, params: Params, choices: list[Choice]
-    ) -> None:
-        super().__init__(f"cmpl-{base}", b"text_completion", model, params, choices, fp)
+    def __init__(self, tools: EncoderTools, fp: bytes, answer: Answer) -> None:
+        super().__init__(answer, f"cmpl-{answer.base}", b"text_completion", fp)
         self.tools = tools
 
     def opening(self) -> list[bytes]:
@@ -67,23 +65,16 @@ class CompletionsEncoder:
     def callback_id(self, base: str, prompt_index: int) -> str:
         return f"cmpl-{base}-{prompt_index}"
 
-    def stream(self, model: str, params: Params, base: str, choices: list[Choice]) -> CompletionsStream:
-        return CompletionsStream(self.tools, self._fp, base, model, params, choices)
+    def stream(self, answer: Answer) -> CompletionsStream:
+        return CompletionsStream(self.tools, self._fp, answer)
 
-    def body(
-        self,
-        model: str,
-        params: Params,
-        base: str,
-        choices: list[Choice],
-        usage: dict,
-        kv_params: dict | None,
-    ) -> dict:
+    def body(self, answer: Answer, usage: dict, kv_params: dict | None) -> dict:
         created = int(time.time())
+        params = answer.params
         lp = self.tools.logprobs
         k = params.logprobs
         out = []
-        for choice in choices:
+        for choice in answer.choices:
             req = choice.req
             key = req.params.seed_key
             text = choice.answer_text()
@@ -97,7 +88,7 @@ class CompletionsEncoder:
             out.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": req.finish_reason,
                         "stop_reason": req.stop_reason, "token_ids": None, "prompt_logprobs": prompt_lp,
                         "prompt_token_ids": None, "routed_experts": None})  # fmt: skip
-        return {"id": f"cmpl-{base}", "object": "text_completion", "created": created, "model": model,
+        return {"id": f"cmpl-{answer.base}", "object": "text_completion", "created": created, "model": answer.model,
                 "choices": out, "service_tier": None, "system_fingerprint": self.tools.fingerprint, "usage": usage,
                 "kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}  # fmt: skip
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from simengine.encoders.interface import Choice
-from simengine.protocol import Params, encode
+from simengine.encoders.interface import Answer, Choice
+from simengine.protocol import encode
 from simengine.request import Request
 
 
@@ -15,17 +15,16 @@ class StreamFrame:
 
     __slots__ = ("top", "heads", "k", "continuous", "fp", "fp_on_finish")
 
-    def __init__(
-        self, rid: str, object_name: bytes, model: str, params: Params, choices: list[Choice], fp: bytes
-    ) -> None:
+    def __init__(self, answer: Answer, rid: str, object_name: bytes, fp: bytes) -> None:
+        params = answer.params
         #: Every chunk's start, up to its choices.
         self.top = (
             b'data: {"id":' + encode(rid) + b',"object":"' + object_name + b'","created":'
-            + str(int(time.time())).encode() + b',"model":' + encode(model)
+            + str(int(time.time())).encode() + b',"model":' + encode(answer.model)
         )  # fmt: skip
         head = self.top + b',"choices":[{"index":'
         #: Per choice (in answer order): its chunks' start, up to its index.
-        self.heads = [head + str(c.index).encode() for c in choices]
+        self.heads = [head + str(c.index).encode() for c in answer.choices]
         #: Logprobs per token (completions `logprobs`, chat `top_logprobs`); None: off.
         self.k = params.logprobs
         #: `continuous_usage_stats`: every chunk carries its choice's usage so far.

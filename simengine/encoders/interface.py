@@ -49,6 +49,20 @@ class Choice:
 
 
 @dataclass(frozen=True, slots=True)
+class Answer:
+    """One HTTP request's answer, as its encoder sees it."""
+
+    #: The model the answer names (the request's `model`, else the first served name).
+    model: str
+    #: The request's validated parameters.
+    params: Params
+    #: The id suffix: ids are `cmpl-<base>` / `chatcmpl-<base>` (the X-Request-Id, else random hex).
+    base: str
+    #: The answer's choices, in order.
+    choices: list[Choice]
+
+
+@dataclass(frozen=True, slots=True)
 class EncoderTools:
     """What encoders take from the serving layer, once per process."""
 
@@ -90,18 +104,11 @@ class ApiEncoder(Protocol):
         """vLLM's request id of a prompt of the answer `base` names (the id a metaserver callback carries)."""
         ...
 
-    def stream(self, model: str, params: Params, base: str, choices: list[Choice]) -> ChunkStream:
+    def stream(self, answer: Answer) -> ChunkStream:
         """The chunk encoder of one streamed answer (its `created` time is now)."""
         ...
 
-    def body(
-        self,
-        model: str,
-        params: Params,
-        base: str,
-        choices: list[Choice],
-        usage: dict,
-        kv_params: dict | None,
-    ) -> dict:
-        """The whole answer of finished choices (its `created` time is now)."""
+    def body(self, answer: Answer, usage: dict, kv_params: dict | None) -> dict:
+        """The whole answer once its choices finished (its `created` time is now), with the request's `usage`
+        and the `kv_transfer_params` its P/D connector answers."""
         ...
