@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -35,17 +34,6 @@ from mesh.up import Mesh
 from tandem.tokenizer import load_tokenizer
 from tandem.version import __version__
 
-#: Parameters of "kv_affinity_tuned", from the fleet simulator's sweep (`python -m bench.fleet sweep`).
-TUNED_FILE = Path(__file__).with_name("tuned_kv_affinity.json")
-DEFAULT_TUNED = {"load_weight": 0.25}
-
-
-def tuned_params() -> dict:
-    """The tuned kv_affinity parameters (the sweep's last result when present)."""
-    if TUNED_FILE.exists():
-        return json.loads(TUNED_FILE.read_text())["params"]
-    return dict(DEFAULT_TUNED)
-
 
 def scheduler_sections() -> dict[str, dict]:
     """(label -> coordinator scheduler section): Tandem's policies, peers' re-implementations included."""
@@ -56,10 +44,6 @@ def scheduler_sections() -> dict[str, dict]:
         "llm_d": {"policy": "llm_d"},
         "dynamo": {"policy": "dynamo"},
         "kv_affinity": {"policy": "kv_affinity"},
-        "kv_affinity_tuned": {
-            "policy": "kv_affinity_tuned",
-            "policies": [{"name": "kv_affinity_tuned", "type": "kv_affinity", "params": tuned_params()}],
-        },
     }
 
 
@@ -174,23 +158,23 @@ def table(rows: list[Row], args, n_requests: int) -> str:
 
 
 def verdict(rows: list[Row]) -> str:
-    """Whether kv_affinity_tuned beats every other row on mean and p99 TTFT."""
+    """Whether kv_affinity (Tandem's default) beats every other row on mean and p99 TTFT."""
     by = {r.label: r.result for r in rows}
-    tuned = by.get("kv_affinity_tuned")
-    if tuned is None or not tuned.ttft_s:
+    ours = by.get("kv_affinity")
+    if ours is None or not ours.ttft_s:
         return ""
-    mean_t, p99_t = statistics.fmean(tuned.ttft_s), tuned.pct(tuned.ttft_s, 99)
+    mean_t, p99_t = statistics.fmean(ours.ttft_s), ours.pct(ours.ttft_s, 99)
     lost = [
         label
         for label, r in by.items()
-        if label not in ("kv_affinity_tuned", "kv_affinity")
+        if label != "kv_affinity"
         and r.ttft_s
         and (statistics.fmean(r.ttft_s) <= mean_t or r.pct(r.ttft_s, 99) <= p99_t)
     ]
     if not lost:
-        return "kv_affinity_tuned has the lowest mean and p99 TTFT of every peer policy and peer router here."
+        return "kv_affinity has the lowest mean and p99 TTFT of every peer policy and peer router here."
     return (
-        "kv_affinity_tuned does not beat every peer on both mean and p99 TTFT here; as good or better on at least "
+        "kv_affinity does not beat every peer on both mean and p99 TTFT here; as good or better on at least "
         f"one of the two: {', '.join(lost)}."
     )
 
