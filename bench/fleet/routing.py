@@ -19,7 +19,8 @@ from typing import Any
 from bench.fleet.instance import EngineSpec
 from bench.fleet.runs import run_many
 from bench.fleet.sim import FleetConfig, FleetResult
-from bench.fleet.workload import Arrival, PromptSource, arrivals, load_rows
+from bench.fleet.workload import Arrival, PromptSource, arrivals
+from bench.trace import load_rows
 from simengine.profiles import PROFILES
 
 #: The rows of the table: label -> (policy type, params). Peers with their own defaults.

@@ -11,7 +11,8 @@ from typing import Any
 
 from bench.fleet.instance import EngineSpec
 from bench.fleet.sim import FleetConfig, FleetResult, simulate
-from bench.fleet.workload import arrivals, load_rows
+from bench.fleet.workload import arrivals
+from bench.trace import load_rows
 
 #: Tandem's policies and the peers' re-implementations, by label: (type, params).
 POLICY_ROWS: dict[str, tuple[str, Mapping[str, Any] | None]] = {
