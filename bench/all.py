@@ -45,12 +45,6 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "mtls.md",
     ),
     (
-        "sweep",
-        "Tuning kv_affinity in the fleet simulator",
-        ["bench.fleet", "sweep", "--output-dir", "{out}"],
-        "fleet-sweep.md",
-    ),
-    (
         "signal",
         "The load signal: ledger prefill against the true queued prefill, and its drift",
         ["bench.fleet", "signal", "--output-dir", "{out}"],
@@ -58,7 +52,7 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
     ),
     (
         "routing",
-        "Routing quality per workload: every policy, two loads, 4 and 16 instances, several seeds",
+        "Routing quality per workload, cache size and load: every policy (quick grid; `--full` for the sweep)",
         ["bench.fleet", "routing", "--output-dir", "{out}"],
         "fleet-routing.md",
     ),
@@ -116,6 +110,7 @@ PLOTS = {
     "overhead": "overhead.png",
     "policies": "policies.png",
     "scale": "fleet-scale.png",
+    "routing": "fleet-routing.png",
 }
 
 

@@ -52,12 +52,6 @@ coordinator process. Parsing and tokenizing inline on the event loop stalls ever
 prompt; a thread pool does not help while the tokenizer holds the interpreter lock (the built-in one does); a
 worker process for bodies above `coordinator.decision_inline_bytes` keeps the small decisions moving at the cost
 of the huge ones' latency (they queue for the worker and cross a process boundary).""",
-    "sweep": """The sweep runs in the fleet simulator (cheap, deterministic) on the configuration of the trace replay
-below (4 engines, first 300 conversation requests, arrivals x1.25). It ranks kv_affinity parameter sets by mean
-plus p99 TTFT and writes the best to `bench/tuned_kv_affinity.json`, which the replay below and the scale table
-use as `kv_affinity_tuned`. Peer policies are shown with their defaults on the same load. When this section's
-date predates the routing section, it was measured with the ledger releasing prefill at response end and the
-old kv_affinity defaults (`make bench` re-runs it).""",
     "signal": """How each way of learning that a request's prefill is done follows the true queued prefill
 (the committed prefill of requests routed to an instance that have no first token yet), sampled at every decision
 on every instance, in the fleet simulator with the ledger's own code (`coordinator/workload.py`). "Engine
@@ -65,20 +59,21 @@ counters" is Tandem's signal: vLLM's `vllm:prompt_tokens_total` and `vllm:genera
 node agent, applied by `WorkloadLedger.engine_progress`. The drift run replays 30 simulated minutes with client
 aborts, an engine restart and a coordinator restart.""",
     "routing": """The routing-quality table: every policy on the same arrivals in the fleet simulator (the real
-policy, index, ledger and engine-model objects), per workload, fleet size (4 and 16 instances, one population each)
-and load level (60% and 90% of round robin's prefill capacity), over 3 seeds. Peers use their real systems' load
-signals (Dynamo: exact first-token release; llm-d: metrics every 50 ms; SGLang: its own tree of routed prompts).
-The real peer routers (`sglang-router`, `vllm-router`) run only in the real-time replay below (Mooncake
-conversation trace, 4 engines): they cannot be put inside the simulator. The goal column holds for the kv_affinity
-row.""",
+policy, index, ledger and engine-model objects), per workload, cache size (NPU blocks per engine: caches under
+pressure at 2,048 and 4,096) and load level (60%, 90% and 120% of round robin's prefill capacity with unbounded
+caches, so that small caches are overloaded sooner). `make bench` runs the quick grid (4 instances, one seed);
+`python -m bench.fleet routing --full` adds 16 instances, the synthetic Mooncake trace and seeds 0-2 (hours on 2
+cores). Peers use their real systems' load signals (Dynamo: exact first-token release; llm-d: metrics every 50
+ms; SGLang: its own tree of routed prompts). The real peer routers (`sglang-router`, `vllm-router`) run only in
+the real-time replay below: they cannot be put inside the simulator. The goal column holds for the kv_affinity
+row, Tandem's default. The plot shows mean TTFT against cache size per policy.""",
     "policies": """Every row is a fresh mesh with the same 4 engines (empty caches) and the same seeded trace: the
 Mooncake conversation trace, token ids synthesised per 512-token hash id (as whole-word tokens, so the prompt is
 sent as text and tokenizes back to exactly those ids: `sglang-router` takes text prompts only), prompts capped
 at 8192 tokens and outputs at 64. The peer routers run in their cache-aware modes straight in front of the
 mesh's engines. The hit rate is the engines' own `vllm:prefix_cache_hits_total / queries_total`. "Match
 fallbacks" counts requests the coordinator scored on load alone because the conductor missed the deadline
-(100 ms here). When the sweep keeps kv_affinity's defaults, `kv_affinity` and `kv_affinity_tuned` are the same
-policy run twice, and the gap between their rows is the run-to-run spread of this real-time replay. Real-time
+(100 ms here). Real-time
 figures follow the machine's load (the step table's last column): on a 2-core machine shared with other work at
 a load average near 20, engines at speedup 5 fall behind real time and every TTFT grows several-fold; compare
 rows, not runs.""",

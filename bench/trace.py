@@ -11,6 +11,7 @@ engines see the token ids the fleet simulator uses.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from array import array
@@ -79,6 +80,30 @@ class PromptTokens:
         return out
 
 
+def load_rows(
+    name: str, limit: int, max_input: int = 0, max_output: int = 0, seed: int = 0, skip: int = 0
+) -> list[dict]:
+    """`limit` rows of a trace after its first `skip`, or of a generated workload (`bench.workloads`, made with
+    `seed`), lengths capped."""
+    from bench.workloads import GENERATORS, generate
+
+    if name in GENERATORS:
+        source = generate(name, limit, seed)
+    else:
+        source = (json.loads(line) for line in itertools.islice(open(find_trace(name)), skip, None))
+    rows = []
+    for row in source:
+        if len(rows) >= limit:
+            break
+        if max_input:
+            row["input_length"] = min(row["input_length"], max_input)
+        row["output_length"] = max(1, row["output_length"])
+        if max_output:
+            row["output_length"] = min(row["output_length"], max_output)
+        rows.append(row)
+    return rows
+
+
 def load_trace(
     name: str,
     limit: int,
@@ -88,20 +113,13 @@ def load_trace(
     max_input: int = 0,
     max_output: int = 0,
 ) -> list[TraceRequest]:
-    """The first `limit` requests; arrival times divided by `time_scale`; inputs/outputs optionally capped.
+    """The first `limit` requests of a trace or generated workload (`load_rows`); arrival times divided by
+    `time_scale`; inputs/outputs optionally capped.
     `tokenizer` is Tandem's (`tandem.tokenizer.load_tokenizer`): its `word_ids` make the prompts."""
     source = PromptTokens(tokenizer.word_ids, seed)
     out: list[TraceRequest] = []
-    with open(find_trace(name)) as f:
-        for i, line in enumerate(f):
-            if len(out) >= limit:
-                break
-            row = json.loads(line)
-            length = min(row["input_length"], max_input) if max_input else row["input_length"]
-            prompt = source.prompt(row["hash_ids"], length, i)
-            output = max(1, row["output_length"])
-            if max_output:
-                output = min(output, max_output)
-            text = tokenizer.decode(prompt)
-            out.append(TraceRequest(row["timestamp"] / 1000 / time_scale, prompt, output, text))
+    for i, row in enumerate(load_rows(name, limit, max_input, max_output, seed)):
+        prompt = source.prompt(row["hash_ids"], row["input_length"], i)
+        text = tokenizer.decode(prompt)
+        out.append(TraceRequest(row["timestamp"] / 1000 / time_scale, prompt, row["output_length"], text))
     return out

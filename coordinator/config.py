@@ -104,7 +104,7 @@ class SchedulerConfig(BaseModel):
     match_timeout_ms: float = Field(default=20.0, gt=0)
     """Deadline of one conductor `Match`; past it (or with the conductor down) scoring uses load alone. The
     conductor receives the same deadline and drops a request it could not start in time."""
-    predicted_cache_lifetime_ms: float = Field(default=3000.0, ge=0)
+    predicted_cache_lifetime_ms: float = Field(default=10000.0, ge=0)
     """How long a prompt just routed to an instance counts as cached there (for KV-aware policies) before the
     engine's KV events, through the conductor, confirm it; 0 turns predictions off."""
     prefill_rate_tokens_per_s: float = Field(default=0.0, ge=0)

@@ -2,11 +2,12 @@
 time, in-process, so a whole trace replays against 8 to 512 instances in minutes.
 
     python -m bench.fleet rows   [--instances 4] [--rate 1.25] [--requests 300] ...   # one row per policy
-    python -m bench.fleet sweep  [...]   # kv_affinity parameter grid; writes bench/tuned_kv_affinity.json
+    python -m bench.fleet sweep  [...]   # kv_affinity parameter grid against the peers (exploration)
     python -m bench.fleet scale  [--sizes 8 64 512] [--base-instances 8] ...
     python -m bench.fleet validate [--instances 2] [--rate 0.625] [--speedup 2] ...  # against the real mesh
     python -m bench.fleet signal  # the ledger's prefill against the true queued prefill; 30-minute drift
-    python -m bench.fleet routing [--workloads ...] [--sizes 4 16] [--loads 0.6 0.9] [--seeds 0 1 2]
+    python -m bench.fleet routing [--full] [--workloads ...] [--sizes 4] [--cache-sizes 2048 4096 8192 16384]
+                                  [--loads 0.6 0.9 1.2] [--seeds 0]
 
 Every figure is simulated time; the same seed gives the same figures. Decision times are wall-clock time of the
 coordinator's and conductor's own Python (Match, candidate building, pick), per decision.
@@ -31,9 +32,10 @@ from bench.fleet.runs import (
     score,
     sweep_jobs,
 )
-from bench.fleet.sim import FleetConfig, FleetResult
+from bench.fleet.sim import REPLICATION_EVERY, FleetConfig, FleetResult
 
-TUNED_FILE = Path(__file__).resolve().parents[1] / "tuned_kv_affinity.json"
+#: The routing table's workloads with `--full`: the reuse-heavy generators and both Mooncake traces.
+FULL_WORKLOADS = ("tenants_rag", "sessions_agents", "conversation", "synthetic")
 
 
 def _ms(x: float) -> str:
@@ -82,9 +84,8 @@ def engine(args) -> EngineSpec:
 
 
 def cmd_rows(args, progress=None) -> tuple[str, dict[str, FleetResult]]:
-    rows = {**POLICY_ROWS, "kv_affinity_tuned": ("kv_affinity", tuned())}
-    jobs = [(base_config(args, p, params), workload(args)) for p, params in rows.values()]
-    results = dict(zip(rows, run_many(jobs, args.workers, progress), strict=True))
+    jobs = [(base_config(args, p, params), workload(args)) for p, params in POLICY_ROWS.values()]
+    results = dict(zip(POLICY_ROWS, run_many(jobs, args.workers, progress), strict=True))
     lines = [
         caption(args, f"Fleet simulator, {args.instances} instances"),
         "",
@@ -93,14 +94,6 @@ def cmd_rows(args, progress=None) -> tuple[str, dict[str, FleetResult]]:
         *(f"| {k} | {row_cells(r, args.ttft_slo_ms / 1000)} |" for k, r in results.items()),
     ]
     return "\n".join(lines), results
-
-
-def tuned() -> dict:
-    if TUNED_FILE.exists():
-        return json.loads(TUNED_FILE.read_text())["params"]
-    from bench.policies import DEFAULT_TUNED
-
-    return dict(DEFAULT_TUNED)
 
 
 def cmd_sweep(args, progress=None) -> tuple[str, dict]:
@@ -117,14 +110,11 @@ def cmd_sweep(args, progress=None) -> tuple[str, dict]:
     others = {k: v for k, v in peer_results.items() if k != "kv_affinity"}
     beats = all(best.mean_ttft < r.mean_ttft and best.pct(99) < r.pct(99) for r in others.values())
     chosen = {"params": best_params, "score_s": round(score(best), 4), "beats_peers_in_sim": beats}
-    if args.write and not args.signal:
-        TUNED_FILE.write_text(json.dumps({**chosen, "sweep": caption(args, "sweep")}, indent=1) + "\n")
-    grid_keys = "; ".join(
-        f"mode {m}: `load_weight` in {w}, `load_gate_topn` in {g}" for m, w, g in SWEEP_GRID
-    )
+    weights, scales = SWEEP_GRID
     lines = [
         caption(args, f"kv_affinity sweep, {args.instances} instances")
-        + f" Grid: {grid_keys}. Ranked by mean + p99 TTFT; the five best and the peers:",
+        + f" Grid: `load_weight` in {weights}, `pressure_scale` in {scales}. Ranked by mean + p99 TTFT; the five "
+        "best and the peers:",
         "",
         "| kv_affinity params / policy | TTFT p50 | p90 | p99 | mean | within SLO | output tok/s | prefix hit rate |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -136,7 +126,7 @@ def cmd_sweep(args, progress=None) -> tuple[str, dict]:
         lines.append(f"| {label} (default) | {row_cells(r, args.ttft_slo_ms / 1000)} |")
     lines += [
         "",
-        f"Chosen for kv_affinity_tuned: `{json.dumps(best_params)}`; in the simulator it "
+        f"Best here: `{json.dumps(best_params)}`; it "
         + ("beats" if beats else "does not beat")
         + " every other policy on both mean and p99 TTFT.",
     ]
@@ -149,7 +139,6 @@ def cmd_scale(args, progress=None) -> tuple[str, list]:
         args.base_instances,
         engine(args),
         workload(args),
-        tuned(),
         load_interval_s=args.load_interval,
     )
     results = run_many([j for _, _, j in jobs], args.workers, progress)
@@ -322,12 +311,21 @@ def cmd_signal(args, progress=None) -> tuple[str, dict]:
 
 def cmd_routing(args, progress=None) -> tuple[str, list]:
     """The routing-quality table: every policy per workload, fleet size, load level and seed."""
-    from bench.fleet.routing import ROUTING_ROWS, Cell, run_cells, table
+    from bench.fleet.routing import ROUTING_ROWS, Cell, goals_met, plot_cache_sizes, run_cells, table
 
+    if args.full:
+        args.workloads, args.sizes, args.seeds = list(FULL_WORKLOADS), [4, 16], [0, 1, 2]
+        args.cache_sizes, args.loads = [2048, 4096, 8192, 16384], [0.6, 0.9, 1.2]
     out_dir = Path(args.output_dir) if args.output_dir else None
     results = []
     for w in args.workloads:  # one workload at a time, the table rewritten after each (long runs)
-        cells = [Cell(w, n, load, seed) for n in args.sizes for load in args.loads for seed in args.seeds]
+        cells = [
+            Cell(w, n, load, seed, blocks)
+            for n in args.sizes
+            for blocks in args.cache_sizes
+            for load in args.loads
+            for seed in args.seeds
+        ]
         results += run_cells(
             cells, ROUTING_ROWS, args.warm, args.warmup, engine(args), _token_ids(), args.max_input,
             args.max_output, args.workers, progress,
@@ -335,15 +333,21 @@ def cmd_routing(args, progress=None) -> tuple[str, list]:
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "fleet-routing.partial.md").write_text(table(results) + "\n")
+    met, blocks = goals_met(results)
+    if out_dir is not None:
+        plot_cache_sizes(results, out_dir / "fleet-routing.png")
     head = (
         f"Routing quality in the fleet simulator: {args.warm} measured requests per run after {args.warmup} that "
         f"warm the caches; seeds {', '.join(map(str, args.seeds))} (Mooncake traces: successive windows of the "
         "trace; generated workloads: the generator's seed); load as a share of round robin's prefill capacity; "
-        f"inputs <= {args.max_input}, outputs <= {args.max_output} tokens; {args.npu_blocks} NPU blocks of 16 "
-        f"tokens per engine (ascend-910b). {_signal_caption(args)}. TTFT in simulated ms, mean over seeds ± half "
-        "their range; hit rate: prompt tokens found in the engines' prefix caches; ideal: one infinite cache. "
-        "Goal (kv_affinity row): at least 10% lower mean and p99 TTFT than every other row on the reuse-heavy "
-        "workloads; on the Mooncake traces, no worse than the best peer on both."
+        f"inputs <= {args.max_input}, outputs <= {args.max_output} tokens; NPU blocks of 16 tokens per engine "
+        f"(ascend-910b) as in the table. {_signal_caption(args)}. TTFT in simulated ms, mean over seeds ± half "
+        "their range; hit rate: prompt tokens found in the engines' prefix caches; ideal: one infinite cache; "
+        "evictions: cached NPU blocks dropped from the first measured arrival to the end, per measured request; "
+        "blocks held twice or more: share of the distinct blocks in the engines' caches that more than one engine "
+        f"holds (sampled every {REPLICATION_EVERY} measured arrivals). Goal (kv_affinity row, Tandem's default): at "
+        "least 10% lower mean and p99 TTFT than every other row on the reuse-heavy workloads; on the Mooncake "
+        f"traces, no worse than the best peer on both. Met in {met} of {blocks} blocks."
     )
     return head + "\n\n" + table(results), results
 
@@ -426,23 +430,20 @@ def main(argv: list[str] | None = None) -> int:
         s = sub.add_parser(name)
         add_arguments(s)
         s.add_argument("--output-dir", help="write fleet-<cmd>.md (and a plot for scale) here")
-        if name == "sweep":
-            s.add_argument(
-                "--no-write", dest="write", action="store_false", help="do not update the tuned file"
-            )
         if name == "scale":
             s.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
             s.add_argument("--base-instances", type=int, default=8, help="instances per copy of the trace")
             s.set_defaults(rate=2.5, requests=100)
         if name == "routing":
+            # The defaults are the quick grid of `make bench`; --full is the whole sweep (hours on 2 cores).
+            s.add_argument("--full", action="store_true", help="every workload, 4 and 16 instances, 3 seeds")
             s.add_argument(
-                "--workloads",
-                nargs="+",
-                default=["conversation", "synthetic", "tenants_rag", "sessions_agents"],
+                "--workloads", nargs="+", default=["tenants_rag", "sessions_agents", "conversation"]
             )
-            s.add_argument("--sizes", type=int, nargs="+", default=[4, 16])
-            s.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.9])
-            s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+            s.add_argument("--sizes", type=int, nargs="+", default=[4])
+            s.add_argument("--cache-sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+            s.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.9, 1.2])
+            s.add_argument("--seeds", type=int, nargs="+", default=[0])
             s.add_argument("--warm", type=int, default=1000, help="measured requests per run")
             s.add_argument("--warmup", type=int, default=200, help="requests before them (cache warm-up)")
         if name == "validate":
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    total = {"rows": len(POLICY_ROWS) + 1}.get(args.cmd)
+    total = {"rows": len(POLICY_ROWS)}.get(args.cmd)
     with tqdm(total=total, desc=f"fleet {args.cmd}", unit="run", file=sys.stderr) as bar:
         if args.cmd == "rows":
             text, _ = cmd_rows(args, bar.update)

@@ -140,6 +140,12 @@ class LazyBlockPool(BlockPool):
         self.blocks = []
         self._free.clear()
         self._fresh = num_blocks  # blocks not made yet (at the head of the free queue)
+        self.evictions = 0  # cached blocks whose content was dropped to make room
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            self.evictions += 1
+        super()._evict(block)
 
     @property
     def num_free_blocks(self) -> int:

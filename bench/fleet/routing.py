@@ -19,7 +19,8 @@ from typing import Any
 from bench.fleet.instance import EngineSpec
 from bench.fleet.runs import run_many
 from bench.fleet.sim import FleetConfig, FleetResult
-from bench.fleet.workload import Arrival, PromptSource, arrivals, load_rows
+from bench.fleet.workload import Arrival, PromptSource, arrivals
+from bench.trace import load_rows
 from simengine.profiles import PROFILES
 
 #: The rows of the table: label -> (policy type, params). Peers with their own defaults.
@@ -61,12 +62,16 @@ def round_robin_prefill(hashed: Sequence[tuple[int, list[int]]], instances: int,
 
 @dataclass(frozen=True)
 class Cell:
-    """One (workload, fleet size, load, seed) configuration."""
+    """One (workload, fleet size, load, seed) configuration, at one cache size."""
 
     workload: str
     instances: int
     load: float
     seed: int
+    npu_blocks: int = 0  # NPU blocks per engine (0: the engine spec's); arrivals do not depend on it
+
+    def engine(self, base: EngineSpec) -> EngineSpec:
+        return replace(base, npu_blocks=self.npu_blocks) if self.npu_blocks else base
 
 
 @dataclass
@@ -145,8 +150,12 @@ def run_cells(
     """Every row on every cell."""
     out: list[CellResult] = []
     jobs = []
-    prepared = _prepare_all(cells, warm, warmup, engine, max_input, max_output, workers)
-    for cell, (arr, scale, ideal) in zip(cells, prepared, strict=True):
+    loads = list(dict.fromkeys(replace(c, npu_blocks=0) for c in cells))  # arrivals: one per cache size
+    prepared = dict(
+        zip(loads, _prepare_all(loads, warm, warmup, engine, max_input, max_output, workers), strict=True)
+    )
+    for cell in cells:
+        arr, scale, ideal = prepared[replace(cell, npu_blocks=0)]
         out.append(CellResult(cell, scale, ideal))
         for label, (policy, params) in rows.items():
             cfg = replace(
@@ -154,7 +163,7 @@ def run_cells(
                 instances=cell.instances,
                 policy=policy,
                 params=params,
-                engine=engine,
+                engine=cell.engine(engine),
                 warmup=warmup,
                 seed=cell.seed,
             )
@@ -188,37 +197,93 @@ class ArrivalsWork:
         return self.arr
 
 
-def table(cells: Sequence[CellResult], slo_s: float = 3.0) -> str:
-    """Markdown: one block per (workload, instances, load), rows averaged over seeds with their spread."""
-    groups: dict[tuple[str, int, float], list[CellResult]] = {}
+def _groups(cells: Sequence[CellResult]) -> dict[tuple[str, int, int, float], list[CellResult]]:
+    """Results by (workload, instances, NPU blocks, load), seeds together."""
+    groups: dict[tuple[str, int, int, float], list[CellResult]] = {}
     for c in cells:
-        groups.setdefault((c.cell.workload, c.cell.instances, c.cell.load), []).append(c)
+        groups.setdefault((c.cell.workload, c.cell.instances, c.cell.npu_blocks, c.cell.load), []).append(c)
+    return groups
+
+
+def table(cells: Sequence[CellResult], slo_s: float = 3.0) -> str:
+    """Markdown: one block per (workload, instances, cache size, load), rows averaged over seeds with their
+    spread."""
     lines = [
-        "| workload | instances | load | policy | TTFT mean | p50 | p99 | hit rate | ideal hit rate "
-        "| output tok/s | goal |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| workload | instances | NPU blocks | load | policy | TTFT mean | p50 | p99 | hit rate | ideal hit rate "
+        "| evictions / request | blocks held twice or more | output tok/s | goal |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for (workload, n, load), group in groups.items():
+    for (workload, n, blocks, load), group in _groups(cells).items():
         labels = list(group[0].results)
-        means: dict[str, tuple[float, float]] = {}
-        for label in labels:
-            rs = [g.results[label] for g in group]
-            means[label] = (
-                statistics.fmean(r.mean_ttft for r in rs),
-                statistics.fmean(r.pct(99) for r in rs),
-            )
         name = _short(workload)
-        goal = verdict(means, workload in REUSE_HEAVY)
+        goal = verdict(_means(group), workload in REUSE_HEAVY)
         ideal = statistics.fmean(g.ideal_hit_rate for g in group)
         for label in labels:
             rs = [g.results[label] for g in group]
             lines.append(
-                f"| {name} | {n} | {load:.0%} | {label} | {_spread([r.mean_ttft for r in rs])} "
+                f"| {name} | {n} | {blocks} | {load:.0%} | {label} | {_spread([r.mean_ttft for r in rs])} "
                 f"| {_spread([r.pct(50) for r in rs])} | {_spread([r.pct(99) for r in rs])} "
                 f"| {statistics.fmean(r.hit_rate for r in rs):.1%} | {ideal:.1%} "
+                f"| {statistics.fmean(r.evictions_per_request for r in rs):.0f} "
+                f"| {statistics.fmean(r.replicated for r in rs):.1%} "
                 f"| {statistics.fmean(r.output_tps for r in rs):.0f} | {goal if label == TANDEM else ''} |"
             )
     return "\n".join(lines)
+
+
+def _means(group: Sequence[CellResult]) -> dict[str, tuple[float, float]]:
+    """Per row, (mean TTFT, p99 TTFT) averaged over the group's seeds."""
+    return {
+        label: (
+            statistics.fmean(g.results[label].mean_ttft for g in group),
+            statistics.fmean(g.results[label].pct(99) for g in group),
+        )
+        for label in group[0].results
+    }
+
+
+def goals_met(cells: Sequence[CellResult]) -> tuple[int, int]:
+    """(table blocks whose goal is met, table blocks)."""
+    verdicts = [
+        verdict(_means(group), workload in REUSE_HEAVY).startswith("met")
+        for (workload, _, _, _), group in _groups(cells).items()
+    ]
+    return sum(verdicts), len(verdicts)
+
+
+def plot_cache_sizes(cells: Sequence[CellResult], path) -> None:
+    """Mean TTFT against NPU blocks per engine, one line per policy; one panel per (workload, load), at the
+    smallest fleet size (seeds averaged)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(cells)
+    n = min(c.cell.instances for c in cells)
+    workloads = list(dict.fromkeys(c.cell.workload for c in cells))
+    loads = sorted({c.cell.load for c in cells})
+    fig, axes = plt.subplots(
+        len(workloads), len(loads), figsize=(4.2 * len(loads), 3.2 * len(workloads)), squeeze=False
+    )
+    for i, workload in enumerate(workloads):
+        for j, load in enumerate(loads):
+            ax = axes[i][j]
+            keys = sorted(k for k in groups if k[0] == workload and k[1] == n and k[3] == load)
+            labels = list(groups[keys[0]][0].results) if keys else []
+            for label in labels:
+                xs = [k[2] for k in keys]
+                ys = [statistics.fmean(g.results[label].mean_ttft for g in groups[k]) * 1000 for k in keys]
+                ax.plot(xs, ys, marker="o", label=label, linewidth=2.5 if label == TANDEM else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{_short(workload)}, {n} instances, load {load:.0%}", fontsize=9)
+            ax.set_xlabel("NPU blocks per engine")
+            ax.set_ylabel("mean TTFT (simulated ms)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _short(workload: str) -> str:

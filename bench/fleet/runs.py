@@ -11,7 +11,8 @@ from typing import Any
 
 from bench.fleet.instance import EngineSpec
 from bench.fleet.sim import FleetConfig, FleetResult, simulate
-from bench.fleet.workload import arrivals, load_rows
+from bench.fleet.workload import arrivals
+from bench.trace import load_rows
 
 #: Tandem's policies and the peers' re-implementations, by label: (type, params).
 POLICY_ROWS: dict[str, tuple[str, Mapping[str, Any] | None]] = {
@@ -23,11 +24,8 @@ POLICY_ROWS: dict[str, tuple[str, Mapping[str, Any] | None]] = {
     "kv_affinity": ("kv_affinity", None),
 }
 
-#: The sweep's grid over kv_affinity's parameters: (mode, load_weight values, load_gate_topn values).
-SWEEP_GRID: list[tuple[str, list[float], list[int]]] = [
-    ("blend", [0.25, 0.35, 0.5, 1.0], [0, 2]),
-    ("prefix", [0.0, 0.5], [0, 2]),
-]
+#: The sweep's grid over kv_affinity's parameters: (load_weight values, pressure_scale values) in mode blend.
+SWEEP_GRID: tuple[list[float], list[float]] = ([0.25, 0.35, 0.5, 1.0], [0.0, 1.0, 2.0, 4.0])
 
 
 @dataclass(frozen=True)
@@ -83,10 +81,9 @@ def run_many(jobs: list[tuple[FleetConfig, Workload]], workers: int = 0, progres
 
 def sweep_jobs(base: FleetConfig, work: Workload) -> list[tuple[dict, tuple[FleetConfig, Workload]]]:
     out = []
-    for mode, weights, gates in SWEEP_GRID:
-        for weight, gate in itertools.product(weights, gates):
-            params = {"mode": mode, "load_weight": weight, "load_gate_topn": gate}
-            out.append((params, (replace(base, policy="kv_affinity", params=params), work)))
+    for weight, scale in itertools.product(*SWEEP_GRID):
+        params = {"load_weight": weight, "pressure_scale": scale}
+        out.append((params, (replace(base, policy="kv_affinity", params=params), work)))
     return out
 
 
@@ -96,16 +93,15 @@ def score(r: FleetResult) -> float:
 
 
 def scale_jobs(
-    sizes: list[int], base_instances: int, engine: EngineSpec, work: Workload, tuned: Mapping[str, Any], **kw
+    sizes: list[int], base_instances: int, engine: EngineSpec, work: Workload, **kw
 ) -> list[tuple[int, str, tuple[FleetConfig, Workload]]]:
     """For each fleet size, one job per policy row; the trace is tiled so the load per instance stays that of
     `base_instances` instances under `work`."""
-    rows = {**POLICY_ROWS, "kv_affinity_tuned": ("kv_affinity", dict(tuned))}
     out = []
     for n in sizes:
         copies = max(1, round(n / base_instances))
         w = replace(work, copies=copies)
-        for label, (policy, params) in rows.items():
+        for label, (policy, params) in POLICY_ROWS.items():
             cfg = FleetConfig(instances=n, policy=policy, params=params, engine=engine, **kw)
             out.append((n, label, (cfg, w)))
     return out

@@ -34,6 +34,9 @@ from tandem.chain_hash import chain_hashes
 
 _ARRIVAL, _STEP_END, _LOAD, _DELIVER, _FAULT = 0, 1, 2, 3, 4
 
+#: Measured arrivals between two samples of the caches' replication.
+REPLICATION_EVERY = 50
+
 #: How the coordinator learns that a request's prefill is done:
 #: - `counter`: Tandem's signal: the engines' `vllm:prompt_tokens_total` (and `generation_tokens_total`), relayed
 #:   every `load_interval_s` and applied by the ledger's own `engine_progress` (optionally with its time model);
@@ -81,7 +84,7 @@ class FleetConfig:
         None  # one of SIGNALS; None: the policy's real system's (`PEER_DEFAULTS`), else counter
     )
     prefill_rate_tokens_per_s: float = 0.0  # the ledger's time model between reports (0: off)
-    predicted_lifetime_s: float = 3.0  # the coordinator's `predicted_cache_lifetime_ms` / 1000
+    predicted_lifetime_s: float = 10.0  # the coordinator's `predicted_cache_lifetime_ms` / 1000
     faults: Faults | None = None
     warmup: int = 0  # first arrivals left out of TTFT and hit-rate figures (they warm the caches)
     model: str = "tandem-sim"
@@ -123,6 +126,12 @@ class FleetResult:
     residual_tokens: int = 0  # tokens left on the ledger after the last request ended (drift)
     residual_requests: int = 0
     preemptions: int = 0
+    #: NPU blocks evicted from the engines' prefix caches while measured requests arrived, and those requests.
+    evictions: int = 0
+    measured: int = 0
+    #: Share of the distinct blocks in the engines' prefix caches that more than one engine holds, averaged over
+    #: samples taken every `REPLICATION_EVERY` measured arrivals (how much cache the fleet spends on copies).
+    replicated: float = float("nan")
     steps: int = 0
     decisions: int = 0
     match_s: float = 0.0  # wall time in the conductor's Match (chain hashing + index walk)
@@ -155,6 +164,10 @@ class FleetResult:
     def signal_error(self) -> float:
         """Mean absolute error of the ledger's prefill, relative to the mean true queued prefill."""
         return self.abs_error / self.true_prefill if self.true_prefill else float("nan")
+
+    @property
+    def evictions_per_request(self) -> float:
+        return self.evictions / self.measured if self.measured else float("nan")
 
     def slo_share(self, slo_s: float) -> float:
         total = len(self.ttft_s) + self.rejected
@@ -250,6 +263,17 @@ class Fleet:
             self._window_true += true
             self._window_n += 1
 
+    def _evictions(self) -> int:
+        return sum(inst.kv.pool.evictions for inst in self.instances)
+
+    def _replication(self) -> float:
+        """Share of distinct cached blocks held by more than one instance, now."""
+        seen: dict[object, int] = {}
+        for inst in self.instances:
+            for h in inst.kv.pool.cached:
+                seen[h] = seen.get(h, 0) + 1
+        return sum(n > 1 for n in seen.values()) / len(seen) if seen else 0.0
+
     def _close_window(self, upto: float) -> None:
         while upto >= self._window_start + self._window_s:
             n = max(self._window_n, 1)
@@ -302,6 +326,8 @@ class Fleet:
         max_len = cfg.engine.max_model_len
         rng = random.Random(cfg.seed)
         aborts = random.Random(cfg.seed + 1)
+        evictions_at_warmup = 0
+        replication: list[float] = []
         last = first_at
         ordinal = 0
 
@@ -361,6 +387,12 @@ class Fleet:
                     if progress is not None:
                         progress(1)
                     continue
+                if ordinal > cfg.warmup:
+                    if not r.measured:
+                        evictions_at_warmup = self._evictions()
+                    r.measured += 1
+                    if r.measured % REPLICATION_EVERY == 0:
+                        replication.append(self._replication())
                 prompt = prompts.tokens(a)
                 facts = RequestFacts(f"r{a.key}", cfg.model, a.input_len, a.output_len)
                 inst, matched = self._decide(prompt, facts)
@@ -434,6 +466,9 @@ class Fleet:
         if not cfg.warmup:  # every request measured: the engines' own counters, as vLLM's /metrics has them
             r.queries = sum(inst.kv.queries for inst in self.instances)
             r.hits = sum(inst.kv.hits for inst in self.instances)
+        r.evictions = self._evictions() - evictions_at_warmup
+        if replication:
+            r.replicated = statistics.fmean(replication)
         for inst in self.instances:
             r.preemptions += inst.scheduler.num_preemptions
             r.steps += inst.steps

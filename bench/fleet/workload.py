@@ -9,12 +9,10 @@ a 512-instance replay does not hold every prompt in memory.
 
 from __future__ import annotations
 
-import itertools
-import json
 import random
 from dataclasses import dataclass
 
-from bench.trace import TRACE_BLOCK, PromptTokens, find_trace
+from bench.trace import TRACE_BLOCK, PromptTokens
 
 #: Offset between the hash ids of two copies of the trace (larger than any id in the traces).
 HASH_STRIDE = 1 << 32
@@ -29,30 +27,6 @@ class Arrival:
     input_len: int  # prompt tokens (after the cap)
     output_len: int  # output tokens (after the cap)
     key: int  # unique, seeds the request's tail tokens
-
-
-def load_rows(
-    name: str, limit: int, max_input: int = 0, max_output: int = 0, seed: int = 0, skip: int = 0
-) -> list[dict]:
-    """`limit` rows of a trace after its first `skip`, or of a generated workload (`bench.workloads`, made with
-    `seed`), lengths capped."""
-    from bench.workloads import GENERATORS, generate
-
-    if name in GENERATORS:
-        source = generate(name, limit, seed)
-    else:
-        source = (json.loads(line) for line in itertools.islice(open(find_trace(name)), skip, None))
-    rows = []
-    for row in source:
-        if len(rows) >= limit:
-            break
-        if max_input:
-            row["input_length"] = min(row["input_length"], max_input)
-        row["output_length"] = max(1, row["output_length"])
-        if max_output:
-            row["output_length"] = min(row["output_length"], max_output)
-        rows.append(row)
-    return rows
 
 
 def arrivals(rows: list[dict], rate_scale: float, copies: int = 1, seed: int = 0) -> list[Arrival]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fleet.workload import PromptSource, arrivals, load_rows
+from bench.fleet.workload import PromptSource, arrivals
+from bench.trace import load_rows
 from bench.workloads import GENERATORS, generate, ideal_hit_rate
 from tandem.tokenizer import load_tokenizer
 

@@ -49,8 +49,41 @@ def test_formulas(params, candidate, isl, matched, cost):
         ({}, [cand("a", cpu=6), cand("b", disk=9)], "a"),
     ],
 )
-def test_picks(params, candidates, expected):
-    assert create_policy("kv_affinity", params).pick(facts(), candidates).instance_id == expected
+def test_picks_at_a_fixed_load_weight(params, candidates, expected):
+    fixed = {"pressure_scale": 0, **params}
+    assert create_policy("kv_affinity", fixed).pick(facts(), candidates).instance_id == expected
+
+
+@pytest.mark.parametrize(
+    ("candidates", "expected", "params"),
+    [
+        # A 1,600-token prompt whose first 128 tokens `a` holds: the least any candidate computes is 1,472 tokens,
+        # the first request's size. Short queues (mean load 150 <= 2 * 1,472): the load weighs load_weight (0.5),
+        # and 300 queued tokens (150) outweigh the 128 the holder saves.
+        ([cand("a", npu=8, prefill=300), cand("b")], "b", None),
+        # Long queues (mean load 14,500, about 10 requests): the weight falls to 0.5 * 2 * 1,472 / 14,500 = 0.10,
+        # so the holder keeps the prefix while its extra load (0.10 * 1,000 = 102) is worth less than 128.
+        ([cand("a", npu=8, prefill=15_000), cand("b", prefill=14_000)], "a", None),
+        # ... and hands it on when the imbalance grows past that (0.095 * 3,000 = 285 > 128).
+        ([cand("a", npu=8, prefill=17_000), cand("b", prefill=14_000)], "b", None),
+        # A fixed weight (pressure_scale 0) copies the prefix at the same long queues.
+        ([cand("a", npu=8, prefill=15_000), cand("b", prefill=14_000)], "b", {"pressure_scale": 0}),
+    ],
+)
+def test_the_load_weight_falls_as_queues_grow(candidates, expected, params):
+    policy = create_policy("kv_affinity", params)
+    assert policy.pick(facts(isl=1600), candidates).instance_id == expected
+
+
+def test_the_request_size_is_a_running_mean():
+    policy = create_policy("kv_affinity")
+    queued = [cand("a", npu=8, prefill=15_000), cand("b", prefill=14_000)]
+    assert policy.pick(facts(isl=1600), queued).instance_id == "a"
+    # A run of small prompts shrinks the mean size: the same long queues now count as heavier pressure, and
+    # the weight falls further (the holder would keep the prefix at a larger imbalance).
+    for _ in range(50):
+        policy.pick(facts(isl=16), [cand("a"), cand("b")])
+    assert policy.load_weight(facts(isl=1600), queued) < 0.05
 
 
 def test_mode_load_asks_no_match():
@@ -67,6 +100,7 @@ def test_mode_load_asks_no_match():
         ({"w_npu": "high"}, "kv_affinity.w_npu: must be a number"),
         ({"load_gate_topn": 1.5}, "kv_affinity.load_gate_topn: must be an integer"),
         ({"gate": 1}, "kv_affinity.gate: unknown parameter"),
+        ({"pressure_scale": -1}, "kv_affinity.pressure_scale: must be >= 0"),
     ],
 )
 def test_bad_parameters_are_named(params, message):
