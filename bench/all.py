@@ -53,7 +53,7 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
     (
         "routing",
         "Routing quality per workload, cache size and load: every policy (quick grid; `--full` for the sweep)",
-        ["bench.fleet", "routing", "--output-dir", "{out}"],
+        ["bench.fleet", "routing", "--warm", "500", "--output-dir", "{out}"],
         "fleet-routing.md",
     ),
     (
@@ -61,6 +61,16 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "Trace replay through the mesh and the peer routers",
         ["bench.policies", "--speedup", "5", "--match-timeout-ms", "100", "--output-dir", "{out}"],
         "policies.md",
+    ),
+    (
+        "policies_pressure",
+        "Trace replay under cache pressure: small engine caches, heavy load, three runs per row",
+        [
+            *"bench.policies --trace tenants_rag --seed 7 --requests 400 --npu-blocks 1024 --speedup 5".split(),
+            *"--match-timeout-ms 100 --load 0.5 --repeats 3 --output-dir {out}/pressure".split(),
+            *["--policies", "kv_affinity", "sglang-router cache_aware", "vllm-router cache_aware"],
+        ],
+        "pressure/policies.md",
     ),
     (
         "pd",
@@ -111,6 +121,7 @@ PLOTS = {
     "policies": "policies.png",
     "scale": "fleet-scale.png",
     "routing": "fleet-routing.png",
+    "policies_pressure": "pressure/policies.png",
 }
 
 

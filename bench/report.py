@@ -77,6 +77,11 @@ fallbacks" counts requests the coordinator scored on load alone because the cond
 figures follow the machine's load (the step table's last column): on a 2-core machine shared with other work at
 a load average near 20, engines at speedup 5 fall behind real time and every TTFT grows several-fold; compare
 rows, not runs.""",
+    "policies_pressure": """The regime where fleets hurt: 4 engines with 1,024 NPU blocks each (16k tokens, two or
+three long prompts), a generated multi-tenant RAG workload (`tenants_rag`, seed 7: a population the simulator's
+tables never tuned on), arrivals at 50% of round robin's prefill capacity with unbounded caches (queues build up
+with these caches), text prompts as real clients send them. Every row is replayed three times, rows interleaved,
+each in a fresh mesh; the second table gives the mean of the runs with half their range.""",
     "validate": """Small enough to run in real time: 2 engines at speedup 2, 150 requests, arrivals x0.625 (the same
 load per engine as the replay above). The real-time rows are `bench.policies` replays; the simulator replays the
 same token ids with the same policies objects, the conductor's index and simengine's scheduler, cache and timing

@@ -7,8 +7,9 @@ through this coordinator:
 2. Otherwise take the candidate with the longest cached prefix; if its match rate `matched_tokens / isl` exceeds
    `cache_threshold`, pick it.
 3. Otherwise pick the candidate with the smallest cache tree (`below_threshold: smallest_tree`, the classic
-   router): here the fewest prompt tokens routed to it so far, which is what SGLang's per-worker tree counts
-   before eviction; or the least-loaded one (`least_load`, newer gateways).
+   router): here the fewest distinct prompt tokens routed to it so far (each routed prompt adds what its tree did
+   not hold yet: the router's `tenant_char_count` grows only by text newly attached to the worker,
+   `sgl-router/src/tree.rs`, `Tree::insert`); or the least-loaded one (`least_load`, newer gateways).
 Where the prefix match comes from (`tree`):
 - `routed` (default, as the real router): SGLang's router keeps its own approximate tree per worker and inserts
   each prompt into the chosen worker's tree at routing time, never confirmed by the engine; here a
@@ -76,13 +77,13 @@ class SglangCacheAware:
         ordered = sorted(candidates, key=lambda c: c.instance_id)
         loads = [c.inflight for c in ordered]
         least_loaded = min(ordered, key=lambda c: c.inflight)
+        matched = self._matched_tokens(request, ordered)
         if (
             max(loads) - min(loads) > p.balance_abs_threshold
             and max(loads) > min(loads) * p.balance_rel_threshold
         ):
             chosen = least_loaded
         else:
-            matched = self._matched_tokens(request, ordered)
             best = max(ordered, key=lambda c: matched[c.instance_id])
             rate = matched[best.instance_id] / request.isl if request.isl else 0.0
             if rate > p.cache_threshold:
@@ -91,7 +92,8 @@ class SglangCacheAware:
                 chosen = least_loaded
             else:
                 chosen = min(ordered, key=lambda c: self._tree_tokens.get(c.instance_id, 0))
-        self._tree_tokens[chosen.instance_id] = self._tree_tokens.get(chosen.instance_id, 0) + request.isl
+        new = max(0, request.isl - matched[chosen.instance_id])
+        self._tree_tokens[chosen.instance_id] = self._tree_tokens.get(chosen.instance_id, 0) + new
         if self.params.tree == "routed":
             self._tree.routed(chosen.instance_id, request.prompt_hashes)
         return chosen

@@ -37,13 +37,11 @@ class Backend(Protocol):
     """An engine the agent can launch (`backend:` in an engine's config)."""
 
     name: str  # the `backend:` value; also reported to the coordinator at registration
-    default_block_size: (
-        int  # `--block-size` when the config sets none (the engine and the conductor must agree)
-    )
+    #: `--block-size` when the config sets none (the engine and the conductor must agree).
+    default_block_size: int
     needs_model_path: bool  # the engine loads weights from `model_path`, which is then required
-    pd_needs_connector: (
-        bool  # a prefill or decode engine needs a P/D `kv_connector` (simengine moves KV itself)
-    )
+    #: A prefill or decode engine needs a P/D `kv_connector` (simengine moves KV itself).
+    pd_needs_connector: bool
     health_path: str  # answers 200 once the engine serves requests (readiness, then liveness)
 
     def check(self, engine: EngineConfig) -> str | None:

@@ -45,6 +45,21 @@ def test_below_threshold_goes_to_the_smallest_tree():
     assert policy.pick(facts(isl=10), cands).instance_id == "b"  # b: 20 < 1000
 
 
+def test_a_tree_grows_only_by_what_it_did_not_hold():
+    # The router's tree size per worker counts distinct text: a prompt routed again adds nothing.
+    policy = create_policy("sglang_cache_aware")
+    cands = [cand("a"), cand("b")]
+
+    def request(blocks: range) -> RequestFacts:
+        return RequestFacts("r", "m", 16 * len(blocks), 16, prompt_hashes=tuple(blocks))
+
+    assert policy.pick(request(range(10)), cands).instance_id == "a"  # a's tree: 160 tokens
+    assert policy.pick(request(range(100, 120)), cands).instance_id == "b"  # b's tree: 320
+    for _ in range(3):  # the same prompt again: a cache hit on a, its tree stays at 160
+        assert policy.pick(request(range(10)), cands).instance_id == "a"
+    assert policy.pick(request(range(200, 202)), cands).instance_id == "a"  # cold: the smaller tree (160 < 320)
+
+
 def test_below_threshold_least_load_variant():
     policy = create_policy("sglang_cache_aware", {"below_threshold": "least_load"})
     assert policy.pick(facts(), [cand("a", inflight=5), cand("b", inflight=2)]).instance_id == "b"
