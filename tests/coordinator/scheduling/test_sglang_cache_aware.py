@@ -57,7 +57,9 @@ def test_a_tree_grows_only_by_what_it_did_not_hold():
     assert policy.pick(request(range(100, 120)), cands).instance_id == "b"  # b's tree: 320
     for _ in range(3):  # the same prompt again: a cache hit on a, its tree stays at 160
         assert policy.pick(request(range(10)), cands).instance_id == "a"
-    assert policy.pick(request(range(200, 202)), cands).instance_id == "a"  # cold: the smaller tree (160 < 320)
+    assert (
+        policy.pick(request(range(200, 202)), cands).instance_id == "a"
+    )  # cold: the smaller tree (160 < 320)
 
 
 def test_below_threshold_least_load_variant():
