@@ -58,8 +58,13 @@ def test_pair_registers_as_handoff(mesh):
 
 def test_launched_pair_moves_kv_from_prefill_to_decode(mesh):
     """The agent's kv_transfer_config (kv_producer / kv_consumer, one shared directory) makes a working pair: the
-    prefill engine saves the prompt's KV, the decode engine loads it (RECIPES.md's CPU P/D recipe)."""
-    prompt = PROMPT + " Direct."
+    prefill engine saves the prompt's KV, the decode engine loads it (RECIPES.md's CPU P/D recipe).
+
+    The prompt is token ids of a fixed length: vLLM's ExampleConnector (0.32, `example_connector.py`) saves the
+    first `(n - 1) // block_size * block_size` tokens of an n-token prompt but looks up `(n - 2) // block_size *
+    block_size` of the same prompt, so a text prompt that the locally trained tiny tokenizer happens to turn into
+    n = 1 (mod 32) tokens is never found (seen: 161 tokens). 150 tokens: both sides use the first 128."""
+    prompt = [10 + (i * 7) % 400 for i in range(150)]
     before = external_tokens(mesh, "decode-0")
     for iid, max_tokens in (("prefill-0", 1), ("decode-0", 8)):
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
