@@ -17,21 +17,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.fleet.instance import EngineSpec
-from bench.fleet.runs import run_many
+from bench.fleet.runs import POLICY_ROWS, run_many
 from bench.fleet.sim import FleetConfig, FleetResult
 from bench.fleet.workload import Arrival, PromptSource, arrivals
 from bench.trace import load_rows
 from simengine.profiles import PROFILES
 
-#: The rows of the table: label -> (policy type, params). Peers with their own defaults.
-ROUTING_ROWS: dict[str, tuple[str, Mapping[str, Any] | None]] = {
-    "round_robin": ("round_robin", None),
-    "least_load": ("least_load", None),
-    "sglang_cache_aware": ("sglang_cache_aware", None),
-    "llm_d": ("llm_d", None),
-    "dynamo": ("dynamo", None),
-    "kv_affinity": ("kv_affinity", None),
-}
+#: The rows of the table: every policy row of the simulator (peers with their own defaults).
+ROUTING_ROWS = POLICY_ROWS
 TANDEM = "kv_affinity"
 PEERS = ("round_robin", "least_load", "sglang_cache_aware", "llm_d", "dynamo")
 REUSE_HEAVY = ("tenants_rag", "sessions_agents")
