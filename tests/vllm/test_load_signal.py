@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.understanding import understand
 from tandem.tokenizer import load_tokenizer
-from tandem.v1 import admin_pb2
+from tandem.v1 import admin_pb2, admin_pb2_grpc
 from tests.helpers import wait_until
 from tests.vllm.conftest import MODEL, MODEL_NAME, real_mesh, start
 
@@ -68,20 +68,25 @@ def test_ledger_takes_prefill_off_while_the_stream_decodes(mesh):
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", mesh.http + "/v1/completions", json=body, timeout=120) as reply:
-        lines = reply.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
-        seen = wait_until(
-            lambda: (s := stats(mesh)).inflight_requests == 1 and s.prefill_tokens == 0 and s,
-            30,
-            "prefill off the ledger while the stream runs",
+    # One channel for every poll: the CPU engine decoding on every core can starve a fresh TLS handshake.
+    with mesh.channel() as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        with httpx.stream("POST", mesh.http + "/v1/completions", json=body, timeout=120) as reply:
+            lines = reply.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            seen = wait_until(
+                lambda: (s := stats(admin)).inflight_requests == 1 and s.prefill_tokens == 0 and s,
+                60,
+                "prefill off the ledger while the stream runs",
+            )
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert seen and rest[-1] == "data: [DONE]"
+        final = wait_until(
+            lambda: (s := stats(admin)).inflight_requests == 0 and s, 30, "the request released"
         )
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert seen and rest[-1] == "data: [DONE]"
-    final = wait_until(lambda: (s := stats(mesh)).inflight_requests == 0 and s, 10, "the request released")
     assert (final.prefill_tokens, final.decode_tokens) == (0, 0)
 
 
-def stats(mesh) -> admin_pb2.InstanceWorkload:
-    (only,) = mesh.admin().GetStats(admin_pb2.GetStatsRequest(), timeout=5).instances
+def stats(admin: admin_pb2_grpc.AdminStub) -> admin_pb2.InstanceWorkload:
+    (only,) = admin.GetStats(admin_pb2.GetStatsRequest(), timeout=20).instances
     return only
