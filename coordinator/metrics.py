@@ -8,6 +8,7 @@ from collections.abc import Callable
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from coordinator.latency import LatencyBook
 from coordinator.workload import WorkloadLedger
 
 ROUTED = Counter("tandem_coordinator_routed_requests", "Requests routed to an engine", ["instance"])
@@ -80,6 +81,36 @@ class WorkloadCollector:
 
 WORKLOAD = WorkloadCollector()
 REGISTRY.register(WORKLOAD)
+
+
+class LatencyCollector:
+    """Each instance's learned step costs (`coordinator.latency`), read at scrape time."""
+
+    def __init__(self) -> None:
+        self.book: LatencyBook | None = None
+        self.instance_ids: Callable[[], list[str]] = list
+
+    def watch(self, book: LatencyBook, instance_ids: Callable[[], list[str]]) -> None:
+        """Reports this book from now on."""
+        self.book, self.instance_ids = book, instance_ids
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "tandem_coordinator_step_cost_seconds",
+            "Learned engine step costs: per step, per prompt token computed, per decoding sequence and per context "
+            "token a decoding sequence reads",
+            labels=["instance", "term"],
+        )
+        if self.book is not None:
+            for iid in self.instance_ids():
+                costs = self.book.costs(iid)
+                for term in ("step", "prefill", "decode", "context"):
+                    family.add_metric([iid, term], getattr(costs, term))
+        yield family
+
+
+LATENCY = LatencyCollector()
+REGISTRY.register(LATENCY)
 
 
 class TicketCollector:

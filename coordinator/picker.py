@@ -23,6 +23,7 @@ from coordinator.config import CoordinatorConfig, PdMode
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
+from coordinator.latency import LatencyBook
 from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts
 from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
@@ -103,6 +104,9 @@ class EndpointPicker:
         self.config = config
         self.instances = instances
         self.ledger = ledger
+        #: Each instance's step costs, learned from its progress (`coordinator.latency`): the time model that
+        #: predictions of TTFT and TPOT use.
+        self.latency = LatencyBook()
         self.policy = policy  # aggregated instances and P/D prefill instances
         #: P/D decode instances: a policy like any other, seeing the decode candidates' loads and, when it asks, the
         #: conductor's facts for them (`scheduler.decode_policy`).
