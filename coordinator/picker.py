@@ -67,9 +67,13 @@ class Pick:
 
 
 def candidates(
-    states: Sequence[InstanceState], ledger: WorkloadLedger, matches: dict[str, KvMatch] | None
+    states: Sequence[InstanceState],
+    ledger: WorkloadLedger,
+    matches: dict[str, KvMatch] | None,
+    latency: LatencyBook | None = None,
 ) -> list[Candidate]:
-    """The policy's view of some instances: the ledger's figures and the conductor's facts for each."""
+    """The policy's view of some instances: the ledger's figures, the conductor's facts and the learned step costs
+    for each."""
     matches = matches or {}
     return [
         Candidate(
@@ -79,6 +83,7 @@ def candidates(
             ledger.requests(iid),
             ledger.context_tokens(iid),
             matches.get(iid, NO_MATCH),
+            latency.costs(iid) if latency is not None else None,
         )
         for s in states
         for iid in (s.info.instance_id,)
@@ -151,7 +156,7 @@ class EndpointPicker:
     def _candidates(
         self, states: Sequence[InstanceState], matches: dict[str, KvMatch] | None
     ) -> list[Candidate]:
-        return candidates(states, self.ledger, matches)
+        return candidates(states, self.ledger, matches, self.latency)
 
     async def _matches(
         self, policy: Policy, request_id: str, request: OpenAIRequest, states

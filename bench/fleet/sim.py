@@ -75,6 +75,9 @@ class FleetConfig:
     policy: str = "kv_affinity"  # scheduling policy type (coordinator.scheduling)
     params: Mapping[str, Any] | None = None  # the policy's parameters
     engine: EngineSpec = EngineSpec()  # every engine's options
+    #: Relative speed of each instance by index (a mixed fleet: 0.5 takes twice as long for every step); instances
+    #: beyond the tuple run at 1.0.
+    speeds: tuple[float, ...] = ()
     #: How often engine load and progress counters reach the coordinator (the node agent's `load_interval_s`);
     #: None: the policy's real system's (`PEER_DEFAULTS`), else 0.25 s.
     load_interval_s: float | None = None
@@ -211,7 +214,10 @@ class Fleet:
         self.result = FleetResult()
 
     def _instance(self, i: int) -> SimInstance:
-        return SimInstance(f"sim-{i}", self.cfg.model, self.cfg.engine, self.sampler, self.index)
+        inst = SimInstance(f"sim-{i}", self.cfg.model, self.cfg.engine, self.sampler, self.index)
+        if i < len(self.cfg.speeds):
+            inst.speed = self.cfg.speeds[i]
+        return inst
 
     def _clock(self) -> float:
         return self.now
@@ -246,7 +252,7 @@ class Fleet:
                 ids = [inst.state.info.instance_id for inst in self.instances]
                 matches = self.predicted.overlay(hashes, matches, ids, self.cfg.engine.block_size)
         t1 = time.perf_counter()
-        pool = candidates([inst.state for inst in self.instances], self.ledger, matches)
+        pool = candidates([inst.state for inst in self.instances], self.ledger, matches, self.latency)
         t2 = time.perf_counter()
         chosen = self.policy.pick(facts, pool)
         t3 = time.perf_counter()
