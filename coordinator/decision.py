@@ -208,6 +208,8 @@ class Decider:
             self.tickets.abort(ticket)
             raise
         instance = pick.target.instance.info
+        if pick.planned is not None:
+            metrics.pd_choice(pick.request.model, pick.planned, self.picker.pair)
         self.counters.routed += 1
         metrics.routed(instance.instance_id)
         if log.isEnabledFor(logging.DEBUG):

@@ -9,6 +9,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from coordinator.latency import LatencyBook
+from coordinator.scheduling.pd_joint import PairChoice, PdJoint
 from coordinator.workload import WorkloadLedger
 
 ROUTED = Counter("tandem_coordinator_routed_requests", "Requests routed to an engine", ["instance"])
@@ -51,6 +52,17 @@ CALLBACK_PATH_SECONDS = Histogram(
 )
 ALS_STREAMS = Gauge(
     "tandem_coordinator_access_log_streams", "Envoy access log streams connected (0: request ends go unseen)"
+)
+PD_CHOICES = Counter(
+    "tandem_coordinator_pd_choices",
+    "Joint P/D choices (scheduler.pd_choice joint or adaptive): disaggregated, or served by a decode instance alone",
+    ["model", "choice"],
+)
+KV_TRANSFER_BYTES = Counter(
+    "tandem_coordinator_kv_transfer_bytes",
+    "KV bytes the joint P/D choice sent between instances (predicted: prompt tokens the decode instance lacked "
+    "times the model's KV bytes per token), inside a node or across nodes",
+    ["scope"],
 )
 CALLBACKS = Counter("tandem_coordinator_metaserver_callbacks", "Metaserver callbacks by outcome", ["outcome"])
 
@@ -153,3 +165,14 @@ def routed(instance_id: str) -> None:
     if child is None:
         child = _routed_children[instance_id] = ROUTED.labels(instance_id)
     child.inc()
+
+
+def pd_choice(model: str, choice: PairChoice, pair: PdJoint | None) -> None:
+    """Counts one joint P/D choice (`coordinator.scheduling.pd_joint.PairChoice`) and the KV it moves."""
+    if choice.prefill is None:
+        PD_CHOICES.labels(model, "local").inc()
+        return
+    PD_CHOICES.labels(model, "disaggregated").inc()
+    if choice.transfer_tokens and pair is not None:
+        scope = "cross_node" if choice.cross_node else "intra_node"
+        KV_TRANSFER_BYTES.labels(scope).inc(choice.transfer_tokens * pair.params.kv_bytes_per_token)

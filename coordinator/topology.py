@@ -72,28 +72,32 @@ class Topology:
 
 
 class Transfers:
-    """KV transfers in flight per shared resource (`Topology.link` keys): what a new transfer shares."""
+    """KV transfers in flight per shared resource (`Topology.link` keys), each until its predicted end: what a
+    new transfer shares. (The coordinator does not see a transfer end; the prediction bounds it.)"""
 
     def __init__(self) -> None:
-        self._count: dict[str, int] = {}
+        self._until: dict[str, list[float]] = {}
 
-    def sharing(self, keys: tuple[str, ...]) -> int:
-        """Transfers in flight on the busiest resource of a path."""
-        return max((self._count.get(k, 0) for k in keys), default=0)
+    def sharing(self, keys: tuple[str, ...], now: float) -> int:
+        """Transfers in flight at `now` on the busiest resource of a path."""
+        return max((self._live(k, now) for k in keys), default=0)
 
-    def start(self, keys: tuple[str, ...]) -> None:
+    def start(self, keys: tuple[str, ...], until: float) -> None:
+        """A transfer on `keys`, predicted to end at `until`."""
         for k in keys:
-            self._count[k] = self._count.get(k, 0) + 1
+            self._until.setdefault(k, []).append(until)
 
-    def end(self, keys: tuple[str, ...]) -> None:
-        for k in keys:
-            left = self._count.get(k, 0) - 1
-            if left > 0:
-                self._count[k] = left
-            else:
-                self._count.pop(k, None)
+    def _live(self, key: str, now: float) -> int:
+        ends = self._until.get(key)
+        if not ends:
+            return 0
+        live = [t for t in ends if t > now]
+        if live:
+            self._until[key] = live
+        else:
+            del self._until[key]
+        return len(live)
 
-    @property
-    def total(self) -> int:
-        """Resource uses in flight (0 when idle)."""
-        return sum(self._count.values())
+    def in_flight(self, now: float) -> int:
+        """Resource uses in flight at `now` (0 when idle)."""
+        return sum(self._live(k, now) for k in list(self._until))

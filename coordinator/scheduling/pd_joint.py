@@ -17,7 +17,7 @@ take the request and is not a candidate (unless every one is that full: then the
 decision cheap, only the `top_k` prefill instances by `prefill(P)` and the `top_k` decode instances by
 `first_step(D)` plus the transfer they would need from the fastest link are paired: at most `top_k`^2 pairs.
 
-With `local` (the adaptive form), serving the request on a decode instance alone (no transfer, vLLM decodes
+With `local` (the adaptive form, `scheduler.pd_choice: adaptive`), serving the request on a decode instance alone (no transfer, vLLM decodes
 a request that comes without `kv_transfer_params` itself) is a candidate too, at
 
     ttft_local(D) = latency.ttft_s(D)  +  interference * prefill_time(D)    (second term only while D decodes)
@@ -31,7 +31,8 @@ while a decode instance has slack.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,6 @@ class Params:
     #: KV bytes per prompt token (Llama-3.1-8B in BF16: 2 x 32 layers x 8 KV heads x 128 dims x 2 bytes).
     kv_bytes_per_token: int = 131072
     max_kv_usage: float = 0.95
-    local: bool = False
     interference: float = 1.0
     #: Token budget per engine step (vLLM `--max-num-batched-tokens`), for the steps a prefill takes.
     step_budget: int = 8192
@@ -98,9 +98,17 @@ class PdJoint:
     needs_match = True
     uses_predictions = True
 
-    def __init__(self, params: Params = Params(), topology: Topology | None = None) -> None:
+    def __init__(
+        self,
+        params: Params = Params(),
+        topology: Topology | None = None,
+        local: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.params = params
         self.topology = topology or Topology()
+        self.local = local
+        self.clock = clock
         self.transfers = Transfers()
 
     def prefill_s(self, c: Candidate, isl: int) -> float:
@@ -121,7 +129,7 @@ class PdJoint:
         if not tokens:
             return 0.0, 0, cross
         nbytes = tokens * self.params.kv_bytes_per_token
-        return link.seconds(nbytes, self.transfers.sharing(keys)), tokens, cross
+        return link.seconds(nbytes, self.transfers.sharing(keys, self.clock())), tokens, cross
 
     def local_s(self, d: Candidate, isl: int) -> float:
         """Predicted cost of serving the request on `d` alone: its TTFT plus the stall charged to its batch."""
@@ -168,7 +176,7 @@ class PdJoint:
                 key = (ttft, pc.instance_id, dc.instance_id)
                 if best is None or key < best[0]:
                     best = (key, PairChoice(pc, dc, ttft, moved_s, tokens, cross))
-        if p.local or not ps:
+        if self.local or not ps:
             for dc in ds:
                 cost = self.local_s(dc, isl)
                 key = (cost, "", dc.instance_id)
@@ -177,7 +185,30 @@ class PdJoint:
         assert best is not None
         return best[1]
 
+    def prefill_for(self, isl: int, prefills: Sequence[Candidate], decode: Candidate) -> PairChoice:
+        """The prefill instance for a decode instance already chosen (trigger mode's callback, a retried handoff
+        leg): the lowest `prefill(P) + transfer(P -> D)`; never local (the decode engine is already waiting)."""
+        if not prefills:
+            raise ValueError("prefill_for needs at least one prefill candidate")
+        best: tuple[tuple[float, str], PairChoice] | None = None
+        for pc in prefills:
+            moved_s, tokens, cross = self.transfer(pc, decode, isl)
+            ttft = self.prefill_s(pc, isl) + moved_s + self.first_step_s(decode, isl)
+            if best is None or (ttft, pc.instance_id) < best[0]:
+                best = ((ttft, pc.instance_id), PairChoice(pc, decode, ttft, moved_s, tokens, cross))
+        assert best is not None
+        return best[1]
 
-def create(raw: Mapping[str, Any] | None = None, topology: Topology | None = None) -> PdJoint:
-    """A joint chooser from raw parameters."""
-    return PdJoint(parse_params(Params, raw, TYPE), topology)
+    def sent(self, choice: PairChoice) -> None:
+        """The pair's prefill leg is on its way: its transfer shares its link until it is predicted done."""
+        if choice.prefill is None or not choice.transfer_tokens:
+            return
+        _, keys = self.topology.link(choice.prefill.state.info.node_id, choice.decode.state.info.node_id)
+        self.transfers.start(keys, self.clock() + choice.ttft_s)
+
+
+def create(
+    raw: Mapping[str, Any] | None = None, topology: Topology | None = None, local: bool = False
+) -> PdJoint:
+    """A joint chooser from raw parameters (`local`: the adaptive form)."""
+    return PdJoint(parse_params(Params, raw, TYPE), topology, local)

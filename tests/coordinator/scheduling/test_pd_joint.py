@@ -48,16 +48,17 @@ def test_blocks_the_decode_instance_holds_are_not_moved():
     assert tokens == ISL - 1600
 
 
-def test_transfers_in_flight_share_the_link():
-    joint = create()
+def test_transfers_in_flight_share_the_link_until_their_predicted_end():
+    now = [0.0]
+    joint = PdJoint(topology=Topology(), clock=lambda: now[0])
     alone, _, _ = joint.transfer(p("p0", node="n1"), d("d0", node="n2"), ISL)
-    joint.transfers.start(("n2/nic",))
-    joint.transfers.start(("n2/nic",))
+    for _ in range(2):
+        joint.sent(joint.choose(ISL, [p("p1", node="n3")], [d("d1", node="n2")]))  # into n2's NIC
     shared, _, _ = joint.transfer(p("p0", node="n1"), d("d0", node="n2"), ISL)
     assert shared - 50e-6 == pytest.approx(3 * (alone - 50e-6))
-    joint.transfers.end(("n2/nic",))
-    joint.transfers.end(("n2/nic",))
-    assert joint.transfers.total == 0
+    assert joint.transfers.in_flight(now[0]) == 4  # two transfers, each on two NICs
+    now[0] = 10.0
+    assert joint.transfers.in_flight(now[0]) == 0
 
 
 def test_a_decode_instance_without_free_kv_is_never_chosen():
@@ -70,7 +71,7 @@ def test_a_decode_instance_without_free_kv_is_never_chosen():
 
 
 def test_adaptive_serves_short_prompts_locally_and_long_ones_disaggregated():
-    adaptive = create({"local": True})
+    adaptive = create(local=True)
     busy = d("d0", inflight=32, context=32 * 1000)
     short = adaptive.choose(64, [p("p0")], [busy])
     assert short.prefill is None and short.transfer_tokens == 0
@@ -80,7 +81,7 @@ def test_adaptive_serves_short_prompts_locally_and_long_ones_disaggregated():
 
 
 def test_adaptive_serves_locally_when_the_prefill_pool_is_saturated_and_a_decoder_is_idle():
-    adaptive = create({"local": True})
+    adaptive = create(local=True)
     choice = adaptive.choose(ISL, [p("p0", prefill=60_000), p("p1", prefill=60_000)], [d("d0")])
     assert choice.prefill is None and choice.decode.instance_id == "d0"
 
@@ -119,3 +120,12 @@ def test_bad_parameters_are_named():
         create({"max_kv_usage": 1.5})
     with pytest.raises(ValueError, match="choose needs at least one decode candidate"):
         create().choose(ISL, [p("p0")], [])
+
+
+def test_a_prefill_instance_for_a_decode_instance_already_chosen_counts_the_transfer_to_it():
+    joint = create(local=True)
+    far, near = p("p-far", node="n2"), p("p-near", node="n1")
+    choice = joint.prefill_for(ISL, [far, near], d("d0", node="n1", inflight=30, context=30_000))
+    assert choice.prefill.instance_id == "p-near" and not choice.cross_node  # never local, even adaptive
+    with pytest.raises(ValueError, match="prefill_for needs"):
+        joint.prefill_for(ISL, [], d("d0"))
