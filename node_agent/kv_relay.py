@@ -189,6 +189,10 @@ class KvEventRelay:
     async def _stream_once(self) -> None:
         async with aio_channel(self.conductor_address, self.tls, "conductor", CHANNEL_OPTIONS) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
+            # Before the call exists: it starts reading `_out` at once, and a live batch it sent ahead of the
+            # replays would make the conductor take that batch's sequence as the rank's start and skip the
+            # replayed ones before it as duplicates.
+            self._rebuild()
             call = stub.Ingest(self._requests())
             closed = asyncio.ensure_future(self._closed.wait())
             try:
@@ -203,7 +207,6 @@ class KvEventRelay:
                 log.info(
                     "conductor stream up", extra={"conductor": self.conductor_address, "node": self.node_id}
                 )
-                self._rebuild()
                 reader = asyncio.ensure_future(self._read_replies(call))
                 await asyncio.wait({reader, closed}, return_when=asyncio.FIRST_COMPLETED)
                 if reader.done():
