@@ -30,6 +30,7 @@ from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker
 from coordinator.predicted_cache import PredictedCache
+from coordinator.relearn import RelearnWindow
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.shared_state import LocalState, SharedState
 from coordinator.tickets import TicketTable
@@ -136,6 +137,9 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
     registry = RegistryService(instances, config, picker.ledger, shared, tls_on=tls is not None)
+    if config.relearn_s > 0:  # a (re)started coordinator waits for the agents' registrations rather than 503
+        decider.relearn = RelearnWindow(config.relearn_s)
+        registry.on_registered = decider.relearn.registered
     admin = AdminService(picker, decider.counters, mesh, shared)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
