@@ -9,8 +9,9 @@ engines (simengine) on its own address; two coordinator replicas sharing an etcd
 retried on another engine) and the instances' lease outlasts an agent restart.
 
 Faults, in order: kill an engine; kill a node agent (its engines keep serving and are adopted); kill a whole node
-(agent and engines); kill a conductor replica; kill a coordinator replica; kill etcd for 3 s; kill Envoy; hang an
-engine (SIGSTOP past the upstream idle timeout, then SIGCONT). For each: requests sent / ok / failed from the fault until the mesh recovered plus a
+(agent and engines); kill a conductor replica; kill a coordinator replica (the only one without etcd); kill etcd for
+3 s; kill Envoy; freeze an engine (SIGSTOP 12 s, then SIGCONT: the agent's liveness timeout kills and restarts it
+first); freeze a node agent (SIGSTOP 10 s, past the instances' lease). For each: requests sent / ok / failed from the fault until the mesh recovered plus a
 settle period, how many of the failures had started before the fault (streams running on the process that died),
 and the time to recover. At the end every workload counter must be back to zero.
 """
@@ -18,6 +19,7 @@ and the time to recover. At the end every workload counter must be back to zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -46,6 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NODES = ["127.0.1.1", "127.0.2.1", "127.0.3.1"]
 MODEL = "tandem-sim"
 IDLE_TIMEOUT_S = 3.0
+FREEZE_ENGINE_S = 12.0  # issue 23's figure: its requests must end within 5 s, not when it thaws
+FREEZE_AGENT_S = 10.0  # issue 23's figure: longer than the instances' lease
 
 
 def multi_node_config(engines_per_node: int = 1, speedup: float = 10, etcd: str | None = None) -> dict:
@@ -280,6 +284,8 @@ def kill_component(
 
 
 def hang_engine(up: UpProcess) -> Callable[[], bool]:
+    """An engine frozen (SIGSTOP) for `FREEZE_ENGINE_S`: the agent reports it UNRESPONSIVE and stops its routing
+    within ~1.5 s, and kills it after its liveness timeout (3 s), which ends the requests on it; it is restarted."""
     iid = next(iter(up.engines("n1")))
     pid = up.engines("n1")[iid].pid
     up.signal(pid, signal.SIGSTOP)
@@ -288,14 +294,37 @@ def hang_engine(up: UpProcess) -> Callable[[], bool]:
 
     def recovered() -> bool:
         if not state["resumed"]:
-            if iid in up.healthy_instances():
-                return False  # not ejected yet
-            up.detected_at = up.detected_at or time.monotonic()
-            if time.monotonic() - stopped_at < IDLE_TIMEOUT_S + 1.5:
-                return False  # hung past the idle timeout: its requests end instead of waiting
-            os.kill(pid, signal.SIGCONT)
+            if not up.detected_at:
+                if iid in up.healthy_instances():
+                    return False  # not ejected yet
+                up.detected_at = time.monotonic()
+            if time.monotonic() - stopped_at < FREEZE_ENGINE_S:
+                return False
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # gone already: killed by the agent's liveness timeout
             state["resumed"] = True
         return iid in up.healthy_instances()
+
+    return recovered
+
+
+def freeze_agent(up: UpProcess) -> Callable[[], bool]:
+    """A node agent frozen (SIGSTOP) for `FREEZE_AGENT_S`: its engines still answer, so they stay routable (the
+    coordinator asks them itself once the agent is silent) and nothing fails."""
+    pid = up.pid("agent-n2")
+    up.signal(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    state = {"resumed": False}
+
+    def recovered() -> bool:
+        if not state["resumed"]:
+            if time.monotonic() - stopped_at < FREEZE_AGENT_S:
+                return False
+            os.kill(pid, signal.SIGCONT)
+            state["resumed"] = True
+        return (
+            up.serving(up.agent_address("n2"), "agent/n2") and set(up.engines("n2")) <= up.healthy_instances()
+        )
 
     return recovered
 
@@ -354,7 +383,8 @@ FAULTS = [
     ),
     Fault("kill etcd (3 s)", kill_etcd, True),
     Fault("kill Envoy", kill_component("envoy", UpProcess.envoy_ready), False),
-    Fault("hang an engine (SIGSTOP)", hang_engine, True),
+    Fault(f"freeze an engine (SIGSTOP {FREEZE_ENGINE_S:g} s)", hang_engine, True),
+    Fault(f"freeze a node agent (SIGSTOP {FREEZE_AGENT_S:g} s)", freeze_agent, True),
 ]
 
 

@@ -50,6 +50,7 @@ class SteadyLoad:
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
         self.outcomes: list[Outcome] = []
+        self._running: dict[int, float] = {}  # client -> when its request in progress started
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -69,6 +70,11 @@ class SteadyLoad:
     def count(self, ok: bool | None = None, since: float = 0.0) -> int:
         with self._lock:
             return sum(1 for o in self.outcomes if o.ended >= since and (ok is None or o.ok == ok))
+
+    def running_since(self) -> list[float]:
+        """When each request now in progress started (a request that hangs stays here)."""
+        with self._lock:
+            return sorted(self._running.values())
 
     def report(self, start: float = 0.0, end: float = float("inf")) -> LoadReport:
         """Requests that ended in [start, end)."""
@@ -90,8 +96,11 @@ class SteadyLoad:
                     "stream": True,
                 }
                 started = time.monotonic()
+                with self._lock:
+                    self._running[index] = started
                 ok, status, error = self._one(http, body)
                 with self._lock:
+                    del self._running[index]
                     self.outcomes.append(Outcome(index, started, time.monotonic(), ok, status, error))
                 if not ok:
                     self._stop.wait(0.1)  # a client that failed waits a little before its next request

@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import aiohttp
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc as ea_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -29,6 +30,7 @@ from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker
 from coordinator.predicted_cache import PredictedCache
+from coordinator.relearn import RelearnWindow
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.shared_state import LocalState, SharedState
 from coordinator.tickets import TicketTable
@@ -137,6 +139,9 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     registry = RegistryService(
         instances, config, picker.ledger, shared, tls_on=tls is not None, latency=picker.latency
     )
+    if config.relearn_s > 0:  # a (re)started coordinator waits for the agents' registrations rather than 503
+        decider.relearn = RelearnWindow(config.relearn_s)
+        registry.on_registered = decider.relearn.registered
     admin = AdminService(picker, decider.counters, mesh, shared)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
@@ -179,14 +184,46 @@ async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interva
             log.info("tickets reconciled with idle engines", extra={"count": len(reconciled)})
 
 
-async def expire_silent(picker: EndpointPicker, ttl_s: float) -> None:
-    """Marks instances without heartbeats for `ttl_s` unhealthy."""
-    while True:
-        await asyncio.sleep(min(ttl_s / 4, 1.0))
-        expired = picker.instances.expire(ttl_s)
-        if expired:
-            log.warning("instances silent, marked unhealthy", extra={"instances": expired})
-            publish_instance_counts(picker.instances)
+async def engine_answers(http: aiohttp.ClientSession, address: str) -> bool:
+    """True when the engine at `address` answers `GET /health` with 200 (within the session's timeout)."""
+    try:
+        async with http.get(f"http://{address}/health", allow_redirects=False) as resp:
+            return resp.status == 200
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return False
+
+
+async def expire_silent(
+    picker: EndpointPicker,
+    ttl_s: float,
+    shared: SharedState | None = None,
+    probe: Callable[[str], Awaitable[bool]] | None = None,
+    probe_timeout_s: float = 1.0,
+) -> None:
+    """Marks instances silent for `ttl_s` unhealthy. Silent means no heartbeat from the agent and no answer of the
+    engine itself: an instance whose agent has said nothing for half the lease is probed (`GET /health`), and one
+    that answers keeps its health (and its shared lease) for another `ttl_s` (a frozen, restarting or partitioned
+    agent does not make its healthy engines unroutable; a dead node's engines do not answer and expire as before)."""
+    instances = picker.instances
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=probe_timeout_s)) as http:
+        ask = probe or (lambda address: engine_answers(http, address))
+        while True:
+            await asyncio.sleep(min(ttl_s / 4, 1.0))
+            candidates = instances.to_vouch(ttl_s)
+            if candidates:
+                answers = await asyncio.gather(*(ask(s.info.address) for s in candidates))
+                for state, answered in zip(candidates, answers, strict=True):
+                    iid = state.info.instance_id
+                    if answered and instances.vouch(iid):
+                        log.info(
+                            "agent silent, engine answers its health probe: kept", extra={"instance": iid}
+                        )
+                        if shared is not None:
+                            shared.reported(iid, state.health, state.load)  # keeps its lease in etcd
+            expired = instances.expire(ttl_s)
+            if expired:
+                log.warning("instances silent, marked unhealthy", extra={"instances": expired})
+                publish_instance_counts(instances)
 
 
 def apply_shared_scheduler(mesh: MeshView, picker: EndpointPicker, matcher, section: dict) -> bool:
@@ -234,7 +271,7 @@ async def run(
             tasks.append(asyncio.create_task(publish_scheduler(mesh, shared)))
         await c.shared.start(c.picker.instances)
         c.matcher.start()
-        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.instance_ttl)))
+        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.instance_ttl, c.shared)))
         if c.pool is not None:
             tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))

@@ -265,6 +265,10 @@ class CoordinatorConfig(BaseModel):
     """gRPC address (ext_proc for Envoy, Registry for agents, Admin and Metaserver through Envoy's :9000)."""
     metrics_listen: Address = "127.0.0.1:9101"
     """Prometheus `/metrics` address."""
+    relearn_s: float = Field(default=3.0, ge=0)
+    """For this long after the coordinator starts, a request whose model has no routable instance yet waits for the
+    node agents to register again (they reconnect within a second) and is decided then, instead of getting 503: a
+    restarted coordinator fails no request for want of the instances it has not relearnt yet. 0: answer at once."""
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     """How often agents report (health changes are reported at once, not at the next interval)."""
     instance_ttl_s: float | None = Field(default=None, gt=0)

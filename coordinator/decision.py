@@ -25,7 +25,8 @@ from coordinator.api_keys import ApiKeys
 from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
-from coordinator.picker import EndpointPicker
+from coordinator.picker import EndpointPicker, Pick
+from coordinator.relearn import RelearnWindow
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
 from coordinator.tickets import Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
@@ -122,6 +123,20 @@ class Decider:
         self.inline_bytes = inline_bytes
         self.counters = RequestCounters()
         self._pool = pool
+        self.relearn: RelearnWindow | None = (
+            None  # after a start: wait for registrations rather than answer 503
+        )
+
+    async def _decide(self, api: str, raw_body: bytes, request_id: str, request) -> Pick:
+        """The picker's decision; in the relearn window after a start, a 503 (no routable instance yet) waits for
+        the next registration and is decided again."""
+        while True:
+            try:
+                return await self.picker.decide(api, raw_body, request_id, request)
+            except OpenAIError as exc:
+                relearn = self.relearn
+                if exc.status != 503 or relearn is None or not await relearn.wait_for_registration():
+                    raise
 
     def without_body(self, method: str, path: str, authorization: str | None = None) -> Answer | None:
         """The answer to a request the coordinator does not route, or to one without a valid API key (401, on
@@ -171,7 +186,7 @@ class Decider:
                 request = await self._pool.understand(
                     api, raw_body, picker.instances.known_models, picker.max_model_len
                 )
-            pick = await self.picker.decide(api, raw_body, request_id, request)
+            pick = await self._decide(api, raw_body, request_id, request)
         except OpenAIError as exc:
             return self.reject(exc)
         except Exception:

@@ -44,6 +44,14 @@ class InstanceState:
     drained: bool = False
     registered_at: float = field(default_factory=time.time)
     last_heartbeat_at: float = field(default_factory=time.time)
+    vouched_at: float = (
+        0.0  # when the engine last answered the coordinator's own probe while its agent was silent
+    )
+
+    @property
+    def heard_at(self) -> float:
+        """The last sign of life: a heartbeat from its agent, or an answer of the engine itself."""
+        return max(self.last_heartbeat_at, self.vouched_at)
 
     @property
     def routable(self) -> bool:
@@ -109,12 +117,33 @@ class InstanceTable:
         state.last_heartbeat_at = time.time() if now is None else now
         return True
 
+    def to_vouch(self, max_silence_s: float, now: float | None = None) -> list[InstanceState]:
+        """Healthy instances whose agent has been silent for half of `max_silence_s` (and the engine not heard from
+        since): the engine itself should be asked before `expire` marks it unhealthy. A frozen or restarting agent
+        does not make its engines unroutable while they answer."""
+        now = time.time() if now is None else now
+        return [
+            s
+            for s in self._by_id.values()
+            if s.health is Health.HEALTHY and now - s.heard_at > max_silence_s / 2
+        ]
+
+    def vouch(self, instance_id: str, now: float | None = None) -> bool:
+        """The engine answered the coordinator's health probe while its agent is silent: it keeps its health (the
+        agent's last report) for another `max_silence_s`. False when the instance is unknown."""
+        state = self._by_id.get(instance_id)
+        if state is None:
+            return False
+        state.vouched_at = time.time() if now is None else now
+        return True
+
     def expire(self, max_silence_s: float, now: float | None = None) -> list[str]:
-        """Marks instances silent for longer than `max_silence_s` unhealthy; returns their ids."""
+        """Marks instances silent for longer than `max_silence_s` (no heartbeat, and no answer of the engine to the
+        coordinator's own probe) unhealthy; returns their ids."""
         now = time.time() if now is None else now
         expired = []
         for state in self._by_id.values():
-            if state.health is not Health.UNHEALTHY and now - state.last_heartbeat_at > max_silence_s:
+            if state.health is not Health.UNHEALTHY and now - state.heard_at > max_silence_s:
                 state.health = Health.UNHEALTHY
                 expired.append(state.info.instance_id)
         return expired

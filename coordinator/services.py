@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import yaml
@@ -69,6 +69,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self.shared = shared or LocalState()  # where other replicas learn what this one hears
         self.tls_on = tls_on
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
+        self.on_registered: Callable[[], None] | None = (
+            None  # e.g. wakes decisions waiting in the relearn window
+        )
 
     def _owner(self, instance_id: str) -> str | None:
         state = self.instances.get(instance_id)
@@ -98,6 +101,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             self.ledger.forget_progress(info.instance_id)
             self.ledger.set_prefill_rate(info.instance_id, self.config.scheduler.prefill_rate_tokens_per_s)
         self.shared.registered(info)
+        if self.on_registered is not None:
+            self.on_registered()
         publish_instance_counts(self.instances)
         log.info(
             "registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address}

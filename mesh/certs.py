@@ -5,9 +5,15 @@ with a certificate whose URI SAN is its identity (`tandem.tls`: `spiffe://tandem
 `spiffe://tandem/agent/<node_id>`, ...); each server authorises calls by that identity. This module makes the
 files, with the `cryptography` package:
 
-    <dir>/ca.pem, ca-key.pem                 the mesh CA (bring your own: put these two files there first)
+    <dir>/ca.pem                             the mesh CA's certificate (every component trusts it)
+    <ca-dir>/ca-key.pem                      the CA's private key, in a directory of its own (mode 0700, default
+                                             `<dir>-ca` beside `<dir>`): only `tandem certs` and `tandem up` read
+                                             it, no component is ever given its path
     <dir>/<name>.pem, <name>-key.pem         one per component: coordinator, conductor, envoy, operator,
                                              agent-<node_id>
+
+Bring your own CA: put `ca.pem` in `<dir>` and `ca-key.pem` in `<ca-dir>` first (a `ca-key.pem` found in `<dir>`, the
+layout before, is moved into `<ca-dir>`).
 
 A file that exists is kept (so a deployment may bring any of them); `tandem certs --force` issues new leaves from
 the same CA (rotation: see docs/security.md). Keys are written mode 0600.
@@ -75,8 +81,21 @@ def _san(hosts: Iterable[str], identity: str | None) -> x509.SubjectAlternativeN
     return x509.SubjectAlternativeName(names)
 
 
-def create_ca(directory: Path, name: str = "Tandem mesh CA") -> None:
-    """Writes `ca.pem` and `ca-key.pem` (a self-signed P-256 CA)."""
+def default_ca_dir(directory: Path) -> Path:
+    """Where the CA's key of the certificates in `directory` lives unless told: `<directory>-ca`, beside it."""
+    return directory.parent / f"{directory.name}-ca"
+
+
+def _private_dir(path: Path) -> None:
+    """Creates `path` (and parents) and makes it owner-only."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def create_ca(directory: Path, name: str = "Tandem mesh CA", ca_dir: Path | None = None) -> None:
+    """Writes `ca.pem` in `directory` and `ca-key.pem` in `ca_dir` (default `default_ca_dir(directory)`, made
+    owner-only): a self-signed P-256 CA."""
+    ca_dir = ca_dir or default_ca_dir(directory)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.UTC)
@@ -96,12 +115,29 @@ def create_ca(directory: Path, name: str = "Tandem mesh CA") -> None:
         .sign(key, hashes.SHA256())
     )
     directory.mkdir(parents=True, exist_ok=True)
-    _write_private(directory / "ca-key.pem", _key_pem(key))
+    _private_dir(ca_dir)
+    _write_private(ca_dir / "ca-key.pem", _key_pem(key))
     (directory / "ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    cert_path, key_path = directory / "ca.pem", directory / "ca-key.pem"
+def move_ca_key(directory: Path, ca_dir: Path) -> bool:
+    """Moves a `ca-key.pem` left in the certificates directory (the layout before, or a key brought there) into
+    `ca_dir`; True when it did. CertError when both hold one (which is the CA's is not for this tool to guess)."""
+    old, new = directory / "ca-key.pem", ca_dir / "ca-key.pem"
+    if not old.exists():
+        return False
+    if new.exists():
+        raise CertError(
+            f"{old}: a CA key beside the certificates while {new} exists; remove the one not in use"
+        )
+    _private_dir(ca_dir)
+    os.replace(old, new)
+    os.chmod(new, 0o600)
+    return True
+
+
+def _load_ca(directory: Path, ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    cert_path, key_path = directory / "ca.pem", ca_dir / "ca-key.pem"
     if not key_path.exists():
         raise CertError(
             f"{key_path}: missing; the CA key is needed to issue certificates (or bring every file)"
@@ -113,12 +149,15 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
         raise CertError(f"{directory}: cannot read the CA: {exc}") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise CertError(f"{key_path}: an EC (P-256) key is expected")
+    if key.public_key() != cert.public_key():
+        raise CertError(f"{key_path}: not the key of {cert_path}")
     return cert, key
 
 
-def issue(directory: Path, leaf: Leaf, days: int = LEAF_DAYS) -> None:
-    """Writes `<name>.pem` (leaf then CA) and `<name>-key.pem`, signed by the CA in `directory`."""
-    ca_cert, ca_key = _load_ca(directory)
+def issue(directory: Path, leaf: Leaf, days: int = LEAF_DAYS, ca_dir: Path | None = None) -> None:
+    """Writes `<name>.pem` (leaf then CA) and `<name>-key.pem` in `directory`, signed by the CA (`ca.pem` in
+    `directory`, its key in `ca_dir`, default `default_ca_dir(directory)`)."""
+    ca_cert, ca_key = _load_ca(directory, ca_dir or default_ca_dir(directory))
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     subject = x509.Name(
@@ -226,22 +265,29 @@ def mesh_leaves(mesh: MeshConfig, extra_hosts: Iterable[str] = ()) -> list[Leaf]
 
 
 def ensure_certs(
-    directory: Path, mesh: MeshConfig, force: bool = False, extra_hosts: Iterable[str] = ()
+    directory: Path,
+    mesh: MeshConfig,
+    force: bool = False,
+    extra_hosts: Iterable[str] = (),
+    ca_dir: Path | None = None,
 ) -> list[str]:
-    """Creates the CA (when absent) and every missing component certificate; with `force`, re-issues every leaf
-    from the existing CA. Returns the file stems written."""
+    """Creates the CA (when absent: certificate in `directory`, key in `ca_dir`, default
+    `default_ca_dir(directory)`) and every missing component certificate; with `force`, re-issues every leaf from
+    the existing CA. A CA key found in `directory` is moved to `ca_dir` first. Returns the file stems written."""
+    ca_dir = ca_dir or default_ca_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    move_ca_key(directory, ca_dir)
     if not (directory / "ca.pem").exists():
-        if (directory / "ca-key.pem").exists():
-            raise CertError(f"{directory / 'ca.pem'}: missing while ca-key.pem exists")
-        create_ca(directory)
+        if (ca_dir / "ca-key.pem").exists():
+            raise CertError(f"{directory / 'ca.pem'}: missing while {ca_dir / 'ca-key.pem'} exists")
+        create_ca(directory, ca_dir=ca_dir)
     write_bundle(directory)
     written = []
     for leaf in mesh_leaves(mesh, extra_hosts):
         present = (directory / f"{leaf.name}.pem").exists() and (directory / f"{leaf.name}-key.pem").exists()
         if present and not force:
             continue
-        issue(directory, leaf)
+        issue(directory, leaf, ca_dir=ca_dir)
         written.append(leaf.name)
     return written
 

@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_certs.add_argument("--config", required=True, help="mesh config file (YAML)")
     p_certs.add_argument("--dir", default=None, help="where (default: security.certs_dir, else ./certs)")
+    p_certs.add_argument(
+        "--ca-dir",
+        default=None,
+        help="where the CA's private key is kept (default: DIR-ca beside DIR, mode 0700)",
+    )
     p_certs.add_argument("--host", action="append", default=[], help="another name or IP servers answer to")
     p_certs.add_argument(
         "--force", action="store_true", help="re-issue every component certificate from the CA (rotation)"
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem {args.command}: config error: {exc}", file=sys.stderr)
             return 2
         if args.command == "certs":
-            return _certs(mesh, args.dir, args.host, args.force)
+            return _certs(mesh, args.dir, args.host, args.force, args.ca_dir)
         if args.command == "envoy-config":
             from mesh.envoy import render_envoy_config
             from mesh.security import certs_dir
@@ -148,15 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     return _agent(args.config, args.node, args.node_rank, args.master_addr, args.certs_dir)
 
 
-def _certs(mesh: MeshConfig, directory: str | None, hosts: list[str], force: bool) -> int:
-    from mesh.certs import CertError, describe, ensure_certs
+def _certs(
+    mesh: MeshConfig, directory: str | None, hosts: list[str], force: bool, ca_dir: str | None = None
+) -> int:
+    from mesh.certs import CertError, default_ca_dir, describe, ensure_certs
     from mesh.security import certs_dir
 
     target = Path(directory or "certs").resolve()
     if directory is None and mesh.security.certs_dir and not mesh.security.insecure:
         target = certs_dir(mesh) or target
+    ca = Path(ca_dir).resolve() if ca_dir else default_ca_dir(target)
     try:
-        written = ensure_certs(target, mesh, force=force, extra_hosts=hosts)
+        written = ensure_certs(target, mesh, force=force, extra_hosts=hosts, ca_dir=ca)
     except CertError as exc:
         print(f"tandem certs: {exc}", file=sys.stderr)
         return 2
@@ -164,7 +172,9 @@ def _certs(mesh: MeshConfig, directory: str | None, hosts: list[str], force: boo
         if not pem.name.endswith("-key.pem") and pem.name != "ca-bundle.pem":
             mark = "new " if pem.stem in written else "kept"
             print(f"  {mark} {describe(pem)}")
-    print(f"tandem certs: {len(written)} certificate(s) written in {target}")
+    print(
+        f"tandem certs: {len(written)} certificate(s) written in {target}; the CA's key is in {ca} (keep it there)"
+    )
     return 0
 
 
@@ -260,7 +270,9 @@ def _agent(
             [config.conductor_address] if config.conductor_address else mesh.conductor.replica_endpoints
         )
         tls = component_tls(mesh, f"agent/{config.node_id}", certs)
-        return run(config, coordinator, conductor, mesh.path, placement, tls, engine_tls_env(mesh, certs))
+        # Engines get a copy of the CA bundle in the runtime directory, not the certificate directory's path.
+        engine_env = engine_tls_env(mesh, certs, into=Path(config.runtime_path))
+        return run(config, coordinator, conductor, mesh.path, placement, tls, engine_env)
 
     return run_component("node-agent", lambda: load_mesh_config(path), main)
 

@@ -134,6 +134,10 @@ class UpConfig(BaseModel):
 
     restart: RestartPolicy = RestartPolicy()
     """Restart of a component that exits: backoff, reset after a stable run, FAILED after a crash loop."""
+    envoy_restart: RestartPolicy = RestartPolicy(initial_backoff_s=0.01, max_backoff_s=1.0)
+    """Restart of Envoy. Every client connection is refused while it is down and it starts in a fraction of a
+    second, holding no state: it is started again at once, and even in a crash loop (or killed again and again) at
+    least every second, never after a 30 s backoff."""
 
 
 class ModelConfig(BaseModel):

@@ -4,14 +4,14 @@ component its `tandem.tls.TlsFiles` (None when the mesh file says `security.inse
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from mesh.config import MeshConfig
 from tandem.config_file import ConfigError
-from tandem.tls import TlsFiles
+from tandem.tls import CERTS_ENV, TlsFiles
 
-#: Set by `tandem up` for the components it starts (the certificates it created in the run directory).
-CERTS_ENV = "TANDEM_CERTS_DIR"
+__all__ = ["CERTS_ENV", "certs_dir", "component_tls", "engine_tls_env"]
 
 
 def certs_dir(mesh: MeshConfig, override: str | None = None) -> Path | None:
@@ -37,13 +37,22 @@ def component_tls(mesh: MeshConfig, role: str, override: str | None = None) -> T
     return None if directory is None else TlsFiles.for_role(directory, role)
 
 
-def engine_tls_env(mesh: MeshConfig, override: str | None = None) -> dict[str, str]:
+def engine_tls_env(mesh: MeshConfig, override: str | None = None, into: Path | None = None) -> dict[str, str]:
     """Environment for engines, so that they trust Envoy's callback listener (HTTPS with the mesh CA): OpenSSL's
     `SSL_CERT_FILE` (aiohttp, httpx, urllib) and `REQUESTS_CA_BUNDLE` (requests) name `ca-bundle.pem`, the system's
-    CAs plus the mesh CA (`tandem certs` writes it; `ca.pem` alone when absent). Empty in insecure mode."""
+    CAs plus the mesh CA (`tandem certs` writes it; `ca.pem` alone when absent). Empty in insecure mode.
+
+    With `into` (the node agent's runtime directory) the bundle is copied there and the engines are given the copy:
+    they never learn where the certificate directory (with the agent's and the operator's keys) is."""
     directory = certs_dir(mesh, override)
     if directory is None:
         return {}
     bundle = directory / "ca-bundle.pem"
-    path = str(bundle if bundle.is_file() else directory / "ca.pem")
+    source = bundle if bundle.is_file() else directory / "ca.pem"
+    if into is not None:
+        into.mkdir(parents=True, exist_ok=True)
+        copy = into / "ca-bundle.pem"
+        shutil.copyfile(source, copy)
+        source = copy
+    path = str(source)
     return {"SSL_CERT_FILE": path, "REQUESTS_CA_BUNDLE": path}

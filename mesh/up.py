@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -51,8 +52,10 @@ class Component:
     process: subprocess.Popen | None = None
     node_id: str | None = None  # for a node agent
     env: dict[str, str] | None = None
+    pidfd: int | None = None  # of the running process
 
     def start(self) -> None:
+        self.close_pidfd()
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         env = {**os.environ, "TANDEM_NO_BANNER": "1", "PYTHONUNBUFFERED": "1", **(self.env or {})}
         # A session of its own: Ctrl-C reaches `tandem up` only, which stops the children in order.
@@ -61,6 +64,17 @@ class Component:
         )
         log.close()
         self.tracker.started(time.monotonic())
+        try:
+            self.pidfd = os.pidfd_open(
+                self.process.pid
+            )  # readable once it exits: `wait_for_exit` wakes at once
+        except OSError:
+            self.pidfd = None
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     @property
     def exit_code(self) -> int | None:
@@ -71,6 +85,7 @@ class Component:
 
     def stop(self, grace: float) -> None:
         if not self.alive():
+            self.close_pidfd()
             return
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
@@ -79,6 +94,7 @@ class Component:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self.close_pidfd()
 
     def tail(self, lines: int = 15) -> str:
         with contextlib.suppress(OSError):
@@ -155,7 +171,8 @@ class Mesh:
         self.tls = TlsFiles.for_role(directory, "operator")
 
     def _component(self, name: str, argv: list[str], node_id: str | None = None) -> Component:
-        tracker = RestartTracker(self.mesh.up.restart)
+        policy = self.mesh.up.envoy_restart if name == "envoy" else self.mesh.up.restart
+        tracker = RestartTracker(policy)
         env = {CERTS_ENV: str(self.certs)} if self.certs is not None else {}
         component = Component(name, argv, self.run_dir / f"{name}.log", tracker, node_id=node_id, env=env)
         self.components.append(component)
@@ -272,6 +289,19 @@ class Mesh:
         tmp.write_text(json.dumps(self.status(), indent=1))
         os.replace(tmp, path)
 
+    def wait_for_exit(self, timeout: float) -> None:
+        """Returns when a component's process exits, or after `timeout`: the supervision loop notices an exit at
+        once, not at its next tick (Envoy's restart is part of the time clients are refused)."""
+        due = [c.tracker.restart_at for c in self.components if c.tracker.restart_at is not None]
+        if due:  # a restart due sooner than that
+            timeout = max(0.0, min(timeout, min(due) - time.monotonic()))
+        fds = [c.pidfd for c in self.components if c.pidfd is not None and c.alive()]
+        if not fds:
+            time.sleep(timeout)
+            return
+        with contextlib.suppress(InterruptedError):
+            select.select(fds, [], [], timeout)
+
     def all_alive(self) -> bool:
         return all(c.alive() for c in self.components)
 
@@ -366,7 +396,7 @@ def up(
         cluster.write_status()
         while not stopping:
             cluster.supervise(time.monotonic())
-            time.sleep(0.2)
+            cluster.wait_for_exit(0.2)
         return 0
     except StartError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)

@@ -318,6 +318,13 @@ class NodeAgentConfig(BaseModel):
     probe_timeout_s: float = Field(default=1.0, gt=0)
     """A `/health` (or `/metrics`) read that takes longer fails: a hung engine is reported unhealthy within
     `probe_interval_s + probe_timeout_s`."""
+    liveness_timeout_s: float | None = Field(default=3.0, gt=0)
+    """A running engine that has answered no health probe for this long is killed (SIGKILL: a frozen process takes
+    no SIGTERM) and restarted like a crash: its connections close, so the requests on it end at once (an error, or
+    Envoy's retry on another engine, before the first byte; a cut stream after it) instead of hanging until it
+    thaws. Liveness, not a request timeout: long prefills and queued requests keep running on an engine that
+    answers `/health`. Raise it for engines whose health endpoint can stall under load; null: never killed (a hung
+    engine is then only reported UNRESPONSIVE and not routed to)."""
     load_interval_s: float = Field(default=0.25, gt=0)
     """How often each healthy engine's `/metrics` is read and its load and progress counters relayed to the
     coordinator (the coordinator takes finished prefills off its workload ledger from them: a few Hz)."""

@@ -18,6 +18,7 @@ _STATES = {
     EngineState.STOPPED: node_agent_pb2.ENGINE_STATE_STOPPED,
     EngineState.FAILED: node_agent_pb2.ENGINE_STATE_FAILED,
     EngineState.DRAINING: node_agent_pb2.ENGINE_STATE_DRAINING,
+    EngineState.UNRESPONSIVE: node_agent_pb2.ENGINE_STATE_UNRESPONSIVE,
 }
 
 
@@ -26,7 +27,7 @@ def engine_status(sup: EngineSupervisor, node_id: str) -> node_agent_pb2.EngineS
     running = sup.running
     status = node_agent_pb2.EngineStatus(
         instance=instance_message(sup, node_id),
-        state=_STATES[sup.state],
+        state=_STATES[sup.reported_state],
         pid=sup.process.pid if running and sup.process is not None else 0,
         restarts=sup.restarts,
         argv=sup.spec.argv,

@@ -22,7 +22,7 @@ class AgentCollector:
         restarts = CounterMetricFamily("tandem_node_agent_restarts", "Restarts since the agent started",
                                        labels=["instance"])  # fmt: skip
         for name, sup in self.agent.supervisors.items():
-            state.add_metric([name, sup.state.name.lower()], 1)
+            state.add_metric([name, sup.reported_state.name.lower()], 1)
             up.add_metric([name], 1 if sup.healthy else 0)
             restarts.add_metric([name], sup.restarts)
         relays = self.agent.relays

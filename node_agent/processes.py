@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tandem.tls import CERTS_ENV
+
 #: Suffix of record files in the state directory.
 RECORD_SUFFIX = ".json"
 
@@ -47,6 +49,12 @@ def start_ticks(pid: int) -> int | None:
     if fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
+
+
+def engine_base_env() -> dict[str, str]:
+    """The agent's environment as an engine inherits it: without the certificate directory (`tandem.tls.CERTS_ENV`),
+    which holds the agent's key; an engine needs only the CA bundle its launch environment names."""
+    return {k: v for k, v in os.environ.items() if k != CERTS_ENV}
 
 
 def env_digest(env: dict[str, str]) -> str:
@@ -136,7 +144,7 @@ class EngineProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
-                env={**os.environ, **env},
+                env={**engine_base_env(), **env},
                 start_new_session=True,
                 close_fds=True,
             )

@@ -55,6 +55,7 @@ class EngineState(enum.Enum):
     STOPPED = 4
     FAILED = 5
     DRAINING = 6
+    UNRESPONSIVE = 7  # only reported (`reported_state`): RUNNING while its health probe fails
 
 
 @dataclass(slots=True)
@@ -77,6 +78,9 @@ class SupervisorParams:
     load_interval_s: float | None = None  # how often `/metrics` is scraped; `probe_interval_s` when None
     probe_timeout_s: float = 1.0  # a health probe (or scrape) that takes longer fails
     state_dir: str | None = None  # where launches are recorded for a later agent to adopt; None: not recorded
+    liveness_timeout_s: float | None = (
+        None  # no answered probe for this long: killed and restarted; None: never
+    )
 
     @classmethod
     def from_config(cls, config: NodeAgentConfig, runtime_dir: str) -> SupervisorParams:
@@ -89,6 +93,7 @@ class SupervisorParams:
             load_interval_s=config.load_interval_s,
             probe_timeout_s=config.probe_timeout_s,
             state_dir=config.state_path,
+            liveness_timeout_s=config.liveness_timeout_s,
         )
 
 
@@ -119,6 +124,7 @@ class EngineSupervisor:
         )  # how often `/metrics` is read
         self.on_load: Callable[[EngineSupervisor], None] | None = None  # called after each successful scrape
         self.probe_timeout_s = params.probe_timeout_s
+        self.liveness_timeout_s = params.liveness_timeout_s
         self.state_dir = params.state_dir
         self.stop_grace_s = params.stop_grace_s
         self.on_change = on_change
@@ -132,6 +138,9 @@ class EngineSupervisor:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._replaced: EngineProcess | None = None  # a recorded process to stop before launching
+        self._kill_reason: str | None = (
+            None  # why supervision killed the process (liveness), for its exit detail
+        )
 
     @property
     def restarts(self) -> int:
@@ -149,6 +158,14 @@ class EngineSupervisor:
     def registrable(self) -> bool:
         """True for an engine API server, which the coordinator routes to."""
         return self.engine is not None and self.spec.port is not None
+
+    @property
+    def reported_state(self) -> EngineState:
+        """The state operators see: UNRESPONSIVE for a RUNNING process that fails its health probe (hung or frozen;
+        not routed), else `state`. Supervision itself keeps it RUNNING: registration and KV event relay stay."""
+        if self.state is EngineState.RUNNING and not self.healthy:
+            return EngineState.UNRESPONSIVE
+        return self.state
 
     @property
     def in_flight(self) -> int:
@@ -294,6 +311,8 @@ class EngineSupervisor:
                 how = (
                     f"exited with code {code}" if code is not None else "exited (adopted: exit code unknown)"
                 )
+                if self._kill_reason:
+                    how, self._kill_reason = f"{self._kill_reason}; {how}", None
                 await self._set(EngineState.BACKOFF, f"{how}, restart in {delay:g}s")
                 log.warning("engine exited, restarting", extra={**self._log_fields(), "delay_s": delay})
                 await asyncio.sleep(delay)
@@ -348,6 +367,7 @@ class EngineSupervisor:
             next_probe = loop.time() + self.probe_interval_s
             scrapes = bool(self.base_url)
             tick = min(self.probe_interval_s, self.load_interval_s) if scrapes else self.probe_interval_s
+            answered_at = loop.time()  # the last health probe answered
             while not exited.done():
                 await asyncio.wait({exited}, timeout=tick)
                 if exited.done():
@@ -355,8 +375,27 @@ class EngineSupervisor:
                 if loop.time() >= next_probe:
                     next_probe = loop.time() + self.probe_interval_s
                     healthy = await self._probe(http)
+                    if healthy:
+                        answered_at = loop.time()
+                    elif liveness_expired(answered_at, loop.time(), self.liveness_timeout_s):
+                        silent = loop.time() - answered_at
+                        self._kill_reason = (
+                            f"no answer to its health probe for {silent:.1f}s, killed (liveness_timeout_s)"
+                        )
+                        self.detail = self._kill_reason
+                        log.error(
+                            "engine unresponsive, killing it",
+                            extra={**self._log_fields(), "silent_s": silent},
+                        )
+                        self.process.kill()  # SIGKILL: a stopped (SIGSTOP) or wedged process takes nothing else
+                        continue
                     if healthy != self.healthy:
                         self.healthy = healthy
+                        self.detail = "" if healthy else f"not answering {self._health_what()} (unresponsive)"
+                        log.warning(
+                            "engine answers its health probe again" if healthy else "engine unresponsive",
+                            extra=self._log_fields(),
+                        )
                         await self.on_change(self)
                 if self.healthy and scrapes and await self._scrape(http) and self.on_load is not None:
                     self.on_load(self)
@@ -380,6 +419,11 @@ class EngineSupervisor:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
+    def _health_what(self) -> str:
+        if self.tcp_health is not None:
+            return f"a connection to {self.tcp_health} within 1s"
+        return f"/health within {self.probe_timeout_s:g}s"
+
     async def _scrape(self, http: aiohttp.ClientSession) -> bool:
         """Reads the engine's load and progress counters; False when it could not."""
         if self.backend is None:
@@ -399,6 +443,12 @@ class EngineSupervisor:
 
     def _log_fields(self) -> dict[str, object]:
         return {"instance": self.name, "restarts": self.restarts, "exit_code": self.last_exit_code}
+
+
+def liveness_expired(answered_at: float, now: float, timeout_s: float | None) -> bool:
+    """True when a running process whose last answered health probe was at `answered_at` has been silent for
+    `timeout_s` (never with None): it is frozen or hung, not busy (a busy engine still answers `/health`)."""
+    return timeout_s is not None and now - answered_at >= timeout_s
 
 
 async def _tcp_open(address: str) -> bool:

@@ -33,6 +33,9 @@ CALLBACK_ROLE = "callback"
 #: The header Envoy sets on every request its listeners forward to a gRPC service (never taken from a client).
 LISTENER_HEADER = "tandem-listener"
 XFCC_HEADER = "x-forwarded-client-cert"
+#: The certificate directory a component was started with (`tandem up` sets it for the components it starts). Never
+#: passed on to engines: an engine gets only a copy of the CA bundle (`mesh.security.engine_tls_env`).
+CERTS_ENV = "TANDEM_CERTS_DIR"
 
 #: The role of the caller of the gRPC call being handled (set by the authorization interceptor; None when the
 #: process runs without TLS).

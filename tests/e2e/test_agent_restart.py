@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -75,3 +76,43 @@ def test_killed_agent_engines_keep_serving_and_are_adopted(mesh):
     assert mesh.stop() == 0
     left = [p for p in pids.values() if p in processes_mentioning("simengine")]
     assert left == [], left
+
+
+FREEZE_S = 5.0  # past three leases of the default 1.5 s (three heartbeat intervals of 0.5 s)
+
+
+def test_frozen_agent_fails_no_request(tmp_path):
+    """The agent SIGSTOPped for more than three instance leases, under streaming load: its engines still answer,
+    so the coordinator (which asks them itself once the agent is silent) keeps them routable and no request fails.
+    Bounded: 4 clients, a 5 s freeze, a minute at most. On main every engine of the node expired after 1.5 s and
+    requests failed with 503 until the agent was continued."""
+    config = mesh_config(
+        engines=2, engine_args=["--speedup", "10"]
+    )  # the default lease: 3 x 0.5 s heartbeats
+    mesh = RunningMesh(config, tmp_path)
+    mesh.start()
+    try:
+        agent_pid = status(mesh)["agent-n1"]["pid"]
+        load = SteadyLoad(mesh.http, "tandem-sim", clients=4).start()
+        try:
+            mesh.wait_for(lambda: load.count(ok=True) >= 8, 60, "load flowing")
+            frozen_at = time.monotonic()
+            os.kill(agent_pid, signal.SIGSTOP)
+            try:
+                mesh.wait_for(lambda: time.monotonic() - frozen_at > FREEZE_S, 10, "frozen past three leases")
+                listed = mesh.admin().ListInstances(admin_pb2.ListInstancesRequest(), timeout=5).instances
+            finally:
+                os.kill(agent_pid, signal.SIGCONT)
+            served = load.count(ok=True)
+            mesh.wait_for(lambda: load.count(ok=True) >= served + 8, 60, "load served after the thaw")
+        finally:
+            load.stop()
+        report = load.report()
+        during = load.report(frozen_at, frozen_at + FREEZE_S)
+        print(f"agent frozen {FREEZE_S:g} s under load: {report}; during the freeze: {during}")
+        assert sorted(i.instance.instance_id for i in listed if i.health == 2) == ["sim-0", "sim-1"]
+        assert during.ok > 0
+        assert report.failed == 0, report.errors[:5]
+        mesh.wait_for(lambda: mesh.stats().requests_inflight == 0, 30, "workload back to zero")
+    finally:
+        mesh.stop()

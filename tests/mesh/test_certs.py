@@ -5,7 +5,7 @@ import stat
 import pytest
 from cryptography import x509
 
-from mesh.certs import CertError, create_ca, ensure_certs
+from mesh.certs import CertError, create_ca, default_ca_dir, ensure_certs
 from mesh.cli import main
 from mesh.config import parse_mesh_config
 from mesh.envoy import build_envoy_config
@@ -49,21 +49,65 @@ def test_existing_files_are_kept_and_force_rotates_leaves(tmp_path):
 
 
 def test_bring_your_own_ca(tmp_path):
-    create_ca(tmp_path, "Corporate CA")
-    ensure_certs(tmp_path, parse_mesh_config(MESH))
-    issuer = x509.load_pem_x509_certificate((tmp_path / "operator.pem").read_bytes()).issuer
+    certs, ca = tmp_path / "certs", tmp_path / "certs-ca"
+    create_ca(certs, "Corporate CA")
+    ensure_certs(certs, parse_mesh_config(MESH))
+    issuer = x509.load_pem_x509_certificate((certs / "operator.pem").read_bytes()).issuer
     assert "Corporate CA" in issuer.rfc4514_string()
-    (tmp_path / "ca-key.pem").unlink()
-    (tmp_path / "envoy.pem").unlink()
+    (ca / "ca-key.pem").unlink()
+    (certs / "envoy.pem").unlink()
     with pytest.raises(CertError, match="ca-key.pem"):
-        ensure_certs(tmp_path, parse_mesh_config(MESH))
+        ensure_certs(certs, parse_mesh_config(MESH))
+
+
+def test_ca_key_is_kept_apart_from_the_component_keys(tmp_path):
+    """The CA's key never sits in the directory components (and, through them, engines) are pointed at: it is in an
+    owner-only directory of its own. A key left beside the certificates (the layout before) is moved there."""
+    certs = tmp_path / "run" / "certs"
+    ensure_certs(certs, parse_mesh_config(MESH))
+    ca = default_ca_dir(certs)
+    assert ca == tmp_path / "run" / "certs-ca"
+    assert not (certs / "ca-key.pem").exists()
+    assert (certs / "ca.pem").exists() and (
+        certs / "operator-key.pem"
+    ).exists()  # where the README shows them
+    assert stat.S_IMODE(ca.stat().st_mode) == 0o700
+    assert stat.S_IMODE((ca / "ca-key.pem").stat().st_mode) == 0o600
+    # The layout before: the key beside the certificates is moved out, and rotation still works from it.
+    (ca / "ca-key.pem").rename(certs / "ca-key.pem")
+    assert len(ensure_certs(certs, parse_mesh_config(MESH), force=True)) == 5
+    assert not (certs / "ca-key.pem").exists() and (ca / "ca-key.pem").exists()
+    # Two keys: which is the CA's is not guessed.
+    (certs / "ca-key.pem").write_bytes((ca / "ca-key.pem").read_bytes())
+    with pytest.raises(CertError, match="remove the one not in use"):
+        ensure_certs(certs, parse_mesh_config(MESH))
+    (certs / "ca-key.pem").unlink()
+    # A key that is not the CA certificate's is refused, not used to issue certificates nobody trusts.
+    other = tmp_path / "other"
+    create_ca(other, ca_dir=ca / "x")
+    (ca / "x" / "ca-key.pem").replace(ca / "ca-key.pem")
+    with pytest.raises(CertError, match="not the key of"):
+        ensure_certs(certs, parse_mesh_config(MESH), force=True)
 
 
 def test_cli(tmp_path, capsys):
     config = tmp_path / "mesh.yaml"
     config.write_text("node_agents: [{node_id: n1}]\n")
     assert main(["certs", "--config", str(config), "--dir", str(tmp_path / "c")]) == 0
-    assert "spiffe://tandem/agent/n1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "spiffe://tandem/agent/n1" in out and str(tmp_path / "c-ca") in out
+    assert (tmp_path / "c-ca" / "ca-key.pem").exists() and not (tmp_path / "c" / "ca-key.pem").exists()
+    args = [
+        "certs",
+        "--config",
+        str(config),
+        "--dir",
+        str(tmp_path / "d"),
+        "--ca-dir",
+        str(tmp_path / "vault"),
+    ]
+    assert main(args) == 0
+    assert (tmp_path / "vault" / "ca-key.pem").exists()
 
 
 def test_which_certificates_a_component_uses(tmp_path, monkeypatch):
@@ -80,6 +124,14 @@ def test_which_certificates_a_component_uses(tmp_path, monkeypatch):
     ensure_certs(tmp_path / "env", relative)
     assert component_tls(relative, "coordinator").cert == tmp_path / "env" / "coordinator.pem"
     assert engine_tls_env(relative)["SSL_CERT_FILE"].endswith("ca-bundle.pem")
+    # What the agent gives its engines: a copy of the bundle in its runtime directory, no path into the certificates.
+    env = engine_tls_env(relative, into=tmp_path / "runtime")
+    assert env == {
+        k: str(tmp_path / "runtime" / "ca-bundle.pem") for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
+    }
+    assert (tmp_path / "runtime" / "ca-bundle.pem").read_text() == (
+        tmp_path / "env" / "ca-bundle.pem"
+    ).read_text()
 
 
 def test_admin_interface_is_loopback_only():

@@ -174,13 +174,19 @@ def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
         assert cluster == f"coordinator_c{i}" and own["match_if_key_not_found"] is True
         assert own["matcher"]["filter"] == "envoy.filters.http.ext_authz"
         assert own["matcher"]["value"] == {"string_match": {"prefix": f"c{i}."}}
-    # A Check that loses its replica is asked once more of another one (with one coordinator there is no other).
+    # A Check that loses its replica is asked once more of another one; with one coordinator, again with a backoff
+    # while it restarts (every retry allowed in flight).
     authz = ingress["http_filters"][0]
     retry = authz["typed_config"]["grpc_service"]["retry_policy"]
     assert retry["num_retries"] == 1 and "reset" in retry["retry_on"].split(",")
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     single = hcm_of(build_envoy_config(parse_mesh_config({}), DESCRIPTOR)["static_resources"]["listeners"][0])
-    assert "retry_policy" not in single["http_filters"][0]["typed_config"]["grpc_service"]
+    again = single["http_filters"][0]["typed_config"]["grpc_service"]["retry_policy"]
+    assert again["num_retries"] == 40 and again["retry_back_off"]["max_interval"] == "0.25s"
+    assert "retry_host_predicate" not in again
+    alone = build_envoy_config(parse_mesh_config({}), DESCRIPTOR)["static_resources"]["clusters"]
+    breakers = next(c for c in alone if c["name"] == "coordinator")["circuit_breakers"]["thresholds"][0]
+    assert breakers["max_retries"] == 100000
     # So is an ext_proc stream (P/D meshes) that loses its replica before the reply began.
     pd = parse_mesh_config({"coordinator": {**section, "pd_mode": "prefill_handoff_decode"}})
     ingress = hcm_of(build_envoy_config(pd, DESCRIPTOR)["static_resources"]["listeners"][0])

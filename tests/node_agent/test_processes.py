@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -38,6 +39,20 @@ async def test_launched_process_reports_its_exit_code(tmp_path):
     process = EngineProcess.launch([sys.executable, "-c", "raise SystemExit(3)"], {}, str(tmp_path / "log"))
     assert not process.adopted
     assert await process.wait() == 3 and not process.running
+
+
+async def test_engines_do_not_inherit_the_certificate_directory(tmp_path, monkeypatch):
+    """The agent runs with TANDEM_CERTS_DIR (its key is there); an engine gets only its own launch environment."""
+    monkeypatch.setenv("TANDEM_CERTS_DIR", str(tmp_path / "certs"))
+    out = tmp_path / "env.json"
+    dump = f"import json, os; open({str(out)!r}, 'w').write(json.dumps(dict(os.environ)))"
+    process = EngineProcess.launch(
+        [sys.executable, "-c", dump], {"SSL_CERT_FILE": "/run/b.pem"}, str(tmp_path / "log")
+    )
+    assert await process.wait() == 0
+    env = json.loads(out.read_text())
+    assert "TANDEM_CERTS_DIR" not in env and env["SSL_CERT_FILE"] == "/run/b.pem"
+    assert not any(str(tmp_path / "certs") in value for value in env.values())
 
 
 async def test_launched_process_runs_in_a_session_of_its_own(tmp_path):

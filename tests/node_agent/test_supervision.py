@@ -139,6 +139,65 @@ async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_pa
         await agent.stop(stop_engines=True)
 
 
+async def test_frozen_engine_is_reported_unresponsive_then_killed_and_restarted(tmp_path, registry):
+    """SIGSTOP: within a probe interval plus its timeout the engine is UNRESPONSIVE (not RUNNING, not routed, still
+    registered); after `liveness_timeout_s` without an answer it is killed (its connections close, so its requests
+    end) and restarted. Bounded: one engine, 20 s at most. On main it stayed RUNNING until it was continued."""
+    config = sim_node(tmp_path, registry.address, "--speedup", "50").model_copy(
+        update={"probe_timeout_s": 0.5, "liveness_timeout_s": 2.0}
+    )
+    agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+    sup = agent.supervisors["sim-0"]
+    service = NodeAgentService("n1", agent.supervisors)
+    await agent.start()
+    try:
+        await eventually(lambda: sup.state is EngineState.RUNNING and sup.healthy, 30, "running")
+        pid = sup.process.pid
+        loop = asyncio.get_running_loop()
+        frozen_at = loop.time()
+        os.kill(pid, signal.SIGSTOP)
+        await eventually(lambda: not sup.healthy, 5, "unresponsive")
+        assert loop.time() - frozen_at < 1.5
+        status = (await service.GetStatus(node_agent_pb2.GetStatusRequest(), None)).engines[0]
+        assert status.state == node_agent_pb2.ENGINE_STATE_UNRESPONSIVE and "unresponsive" in status.detail
+        assert registry.events == [("register", "sim-0")]  # still registered: only its health changed
+        await eventually(lambda: sup.process is None or sup.process.pid != pid, 10, "killed")
+        killed_s = loop.time() - frozen_at
+        assert killed_s < 4.0, killed_s  # 2 s of silence plus a probe, not "until it thaws"
+        await eventually(lambda: sup.state is EngineState.RUNNING and sup.healthy, 30, "restarted")
+        assert sup.restarts == 1 and sup.last_exit_code == -signal.SIGKILL
+        assert ("deregister", "sim-0") in registry.events and registry.events[-1] == ("register", "sim-0")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        await agent.stop(stop_engines=True)
+
+
+async def test_liveness_off_leaves_a_frozen_engine_unresponsive(tmp_path, registry):
+    config = sim_node(tmp_path, registry.address, "--speedup", "50").model_copy(
+        update={"probe_timeout_s": 0.3, "liveness_timeout_s": None}
+    )
+    agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+    sup = agent.supervisors["sim-0"]
+    await agent.start()
+    try:
+        await eventually(lambda: sup.state is EngineState.RUNNING and sup.healthy, 30, "running")
+        pid = sup.process.pid
+        loop = asyncio.get_running_loop()
+        frozen_at = loop.time()
+        os.kill(pid, signal.SIGSTOP)
+        await eventually(lambda: sup.reported_state is EngineState.UNRESPONSIVE, 5, "unresponsive")
+        await eventually(lambda: loop.time() - frozen_at > 3.0, 5, "frozen past the default liveness timeout")
+        assert sup.restarts == 0 and sup.process.pid == pid and sup.reported_state is EngineState.UNRESPONSIVE
+        os.kill(pid, signal.SIGCONT)
+        await eventually(lambda: sup.reported_state is EngineState.RUNNING, 5, "answers again")
+        assert sup.restarts == 0 and sup.process.pid == pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        await agent.stop(stop_engines=True)
+
+
 async def test_drain_deregisters_waits_for_in_flight_then_stops(tmp_path, registry):
     config = sim_node(tmp_path, registry.address, "--speedup", "4")
     agent = NodeAgent(config, registry.address, "127.0.0.1:1")

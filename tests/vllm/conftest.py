@@ -53,6 +53,9 @@ def real_mesh(engines: list[tuple[str, str, str | None]], workdir: Path, **coord
     config["coordinator"].update(coordinator)
     agent = config["node_agents"][0]
     agent["stop_grace_s"] = 20
+    # CPU engines keep both cores busy: their API server may answer /health late for seconds while it works; that
+    # is not a hang, so the liveness kill (3 s by default) waits longer here.
+    agent["liveness_timeout_s"] = 60
     agent["runtime_dir"] = str(
         workdir / "rt"
     )  # logs, KV event sockets, the ExampleConnector's shared directory
