@@ -360,7 +360,7 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
     of generated workloads and Mooncake traces at load levels."""
     from bench.fleet.links import Topology
     from bench.fleet.pd import PdConfig
-    from bench.fleet.pd_bench import best_per_rule, rule_jobs, run_pd_many, table
+    from bench.fleet.pd_bench import sweep, table
     from bench.fleet.pd_rules import PLANNED, RULES
     from bench.fleet.routing import ArrivalsWork, Cell, cell_arrivals
 
@@ -374,7 +374,8 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
     caption_tail = (
         f"{args.mode} mode, {args.nodes} node(s) (NIC {topo.nic_bandwidth / 1e9:g} GB/s, intra-node "
         f"{topo.intra_bandwidth / 1e9:g} GB/s), {args.npu_blocks} NPU blocks of 16 tokens per engine (ascend-910b); "
-        "each rule at its best P:D split (highest goodput, then lowest mean TTFT) "
+        "each rule at its best P:D split (highest goodput, then lowest mean TTFT; a quarter, half and three "
+        "quarters of the fleet, then the best one's neighbours) "
         + (f"fixed at {args.prefill} prefill instances" if args.prefill else "among the splits tried")
         + f". mean, p99: TTFT in simulated ms; itl p99: p99 over requests of their mean inter-token latency (ms); "
         f"goodput: requests per simulated second with {slo}; bytes across nodes: GB of KV moved between nodes; "
@@ -396,10 +397,7 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
         )
 
     if args.trace:
-        work = workload(args)
-        jobs = rule_jobs(base(args.instances), work, args.rules, args.prefill)
-        results = run_pd_many([j for _, j in jobs], args.workers, progress)
-        bests = best_per_rule([label for label, _ in jobs], results)
+        bests = sweep(base(args.instances), workload(args), args.rules, args.prefill, args.workers, progress)
         head = (
             f"P/D rules in the fleet simulator, {args.instances} instances: {args.trace} trace, {args.requests} "
             f"requests (inputs <= {args.max_input}, outputs <= {args.max_output}), arrivals x{args.rate:g}, seed "
@@ -416,9 +414,10 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
                     arr, _, _ = cell_arrivals(
                         Cell(w, n, load, seed), args.requests, 0, eng, ids, args.max_input, args.max_output
                     )
-                    jobs = rule_jobs(base(n), ArrivalsWork(arr, seed), args.rules, args.prefill)
-                    results = run_pd_many([j for _, j in jobs], args.workers, progress)
-                    for label, r in best_per_rule([label for label, _ in jobs], results).items():
+                    work = ArrivalsWork(arr, seed)
+                    for label, r in sweep(
+                        base(n), work, args.rules, args.prefill, args.workers, progress
+                    ).items():
                         per_rule.setdefault(label, []).append(r)
                 summary[(w, n, load)] = per_rule
                 sections.append(f"{_short(w)}, {n} instances, load {load:.0%}:\n\n" + table(per_rule, n))

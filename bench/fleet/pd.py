@@ -367,6 +367,14 @@ class PdFleet:
             arrival_time=a.at_s,
         )
 
+    def _share_hashes(self, src: Request | None, dst: Request) -> None:
+        """Both legs hash the same prompt the same way: the second leg reuses the first one's chain hashes (the
+        simulator's own shortcut, the engines' result is unchanged)."""
+        if src is not None:  # the prompt's full blocks only (the legs' outputs differ)
+            full = min(len(src.block_hashes), len(src.prompt_token_ids) // self.cfg.engine.block_size)
+            dst.block_hashes = src.block_hashes[:full]
+            dst.block_digests = src.block_digests[:full]
+
     def _send(self, inst: SimInstance, req: Request, live: _Live) -> None:
         self._live[id(req)] = live
         inst.add(req)
@@ -380,6 +388,7 @@ class PdFleet:
         self.predicted.routed(prefill_id, live.hashes)
         req = self._request(live, 1, "p")
         req.hold_blocks_for_remote = True
+        self._share_hashes(live.decode_req, req)
         live.prefill_req = req
         self._send(self.by_id[prefill_id], req, live)
 
@@ -387,6 +396,7 @@ class PdFleet:
         req = self._request(live, live.arrival.output_len)
         req.needs_remote_kv = True
         req.num_remote_tokens = live.arrival.input_len
+        self._share_hashes(live.prefill_req, req)
         live.decode_req = req
         self._send(self.by_id[live.choice.decode], req, live)
 
@@ -509,11 +519,16 @@ def simulate_pd(
 
 
 def splits(instances: int) -> list[int]:
-    """The prefill counts a sweep tries: every one up to 8 instances, else eight evenly spaced ones."""
-    if instances <= 8:
-        return list(range(1, instances))
-    step = (instances - 1) / 8
-    return sorted({max(1, min(instances - 1, round(step * (i + 0.5)))) for i in range(8)})
+    """The prefill counts a sweep's first round tries: a quarter, half and three quarters of the fleet."""
+    return sorted({max(1, min(instances - 1, round(instances * f))) for f in (0.25, 0.5, 0.75)})
+
+
+def refine(instances: int, tried: list[int], best_prefill: int) -> list[int]:
+    """The second round: the untried neighbours of the first round's best (one instance either side, or half
+    the first round's step on large fleets)."""
+    step = max(1, round(instances / 8))
+    near = {best_prefill - step, best_prefill + step}
+    return sorted(p for p in near if 1 <= p < instances and p not in tried)
 
 
 def best(results: list[PdResult]) -> PdResult:

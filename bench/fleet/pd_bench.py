@@ -1,8 +1,9 @@
 """`python -m bench.fleet pd`: every P/D rule on the same arrivals, each at its own best P:D split, against
 aggregated serving; on generated workloads at load levels (grid) or on one Mooncake-format trace.
 
-A rule's best split is the prefill count (of `splits(instances)`, or `--prefill` alone) with the highest goodput,
-then the lowest mean TTFT. The `aggregated` row runs every instance hybrid.
+A rule's best split is the prefill count with the highest goodput, then the lowest mean TTFT, found in two rounds
+(`bench.fleet.pd.splits`: a quarter, half and three quarters of the fleet; then `refine`: the best one's untried
+neighbours), or `--prefill` alone. The `aggregated` row runs every instance hybrid.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bench.fleet.pd import PdConfig, PdResult, best, simulate_pd, splits
+from bench.fleet.pd import PdConfig, PdResult, best, refine, simulate_pd, splits
 from bench.fleet.pd_rules import RULES
 
 #: Rows of the table, in order (`tandem_joint` and `tandem_adaptive` join when they exist).
@@ -52,17 +53,47 @@ def run_pd_many(
 
 
 def rule_jobs(
-    base: PdConfig, work: Any, rules: Sequence[str], prefill: int | None
+    base: PdConfig,
+    work: Any,
+    rules: Sequence[str],
+    prefill: int | None,
+    round_two: dict[str, list[int]] | None = None,
 ) -> list[tuple[str, tuple]]:
-    """(rule, job) for every rule at every split it tries (one job for `aggregated`)."""
+    """(rule, job) for every rule at every split of the sweep's first round (one job for `aggregated`), or of
+    `round_two` (rule -> splits) when given."""
     out = []
     for rule in rules:
+        if round_two is not None:
+            out += [(rule, (replace(base, rule=rule, prefill=p), work)) for p in round_two.get(rule, [])]
+            continue
         if not RULES[rule]().disaggregates:
             out.append((rule, (replace(base, rule=rule, prefill=0), work)))
             continue
         for p in [prefill] if prefill else splits(base.instances):
             out.append((rule, (replace(base, rule=rule, prefill=p), work)))
     return out
+
+
+def sweep(
+    base: PdConfig, work: Any, rules: Sequence[str], prefill: int | None, workers: int = 0, progress=None
+) -> dict[str, PdResult]:
+    """Each rule's best run over the two rounds of splits (or at `prefill`)."""
+    jobs = rule_jobs(base, work, rules, prefill)
+    labels = [label for label, _ in jobs]
+    results = run_pd_many([j for _, j in jobs], workers, progress)
+    if not prefill:
+        first = best_per_rule(labels, results)
+        tried: dict[str, list[int]] = {}
+        for label, (cfg, _) in jobs:
+            tried.setdefault(label, []).append(cfg.prefill)
+        more = {
+            label: refine(base.instances, tried[label], r.prefill) for label, r in first.items() if r.prefill
+        }
+        jobs2 = rule_jobs(base, work, rules, prefill, more)
+        if jobs2:
+            labels += [label for label, _ in jobs2]
+            results += run_pd_many([j for _, j in jobs2], workers, progress)
+    return best_per_rule(labels, results)
 
 
 def best_per_rule(labels: Sequence[str], results: Sequence[PdResult]) -> dict[str, PdResult]:

@@ -8,7 +8,7 @@ import pytest
 
 from bench.fleet.instance import EngineSpec
 from bench.fleet.links import Links, Topology
-from bench.fleet.pd import PdConfig, PdFleet, simulate_pd, splits, spread
+from bench.fleet.pd import PdConfig, PdFleet, refine, simulate_pd, splits, spread
 from bench.fleet.pd_rules import PLANNED, RULES, PdView, create_rule
 from bench.fleet.workload import PromptSource, arrivals
 from coordinator.instances import InstanceInfo, InstanceState
@@ -106,7 +106,7 @@ def test_topology_rejects_bad_values():
 def test_roles_are_spread_over_nodes():
     assert spread(2, 4, Topology(2)) == [0, 2]
     assert spread(4, 8, Topology(2)) == [0, 1, 4, 5]
-    assert splits(4) == [1, 2, 3] and all(1 <= p < 32 for p in splits(32))
+    assert splits(4) == [1, 2, 3] and splits(8) == [2, 4, 6] and refine(8, [2, 4, 6], 4) == [3, 5]
 
 
 def _cfg(rule: str, mode: str = "handoff", **kw) -> PdConfig:
