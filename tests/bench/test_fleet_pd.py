@@ -221,3 +221,24 @@ def test_dynamo_and_llm_d_thresholds():
 def test_planned_rules_are_refused_not_faked(name):
     with pytest.raises(ValueError, match="not implemented yet"):
         create_rule(name)
+
+
+def test_cli_writes_one_row_per_rule(tmp_path):
+    from bench.fleet.__main__ import main
+
+    argv = ["pd", "--trace", "conversation", "--requests", "20", "--instances", "2", "--npu-blocks", "2048"]
+    argv += ["--rules", "aggregated", "tandem_least_load", "--workers", "1", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    text = (tmp_path / "fleet-pd.md").read_text()
+    assert "| rule | P:D | mean | p99 | itl p99 | goodput | bytes across nodes | hit rate |" in text
+    rows = [
+        line for line in text.splitlines() if line.startswith("| aggregated") or line.startswith("| tandem")
+    ]
+    assert len(rows) == 2 and rows[1].split("|")[2].strip() == "1:1"
+
+
+def test_cli_refuses_planned_rules():
+    from bench.fleet.__main__ import main
+
+    with pytest.raises(SystemExit, match="not implemented yet"):
+        main(["pd", "--trace", "conversation", "--requests", "5", "--rules", "tandem_joint"])
