@@ -360,7 +360,7 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
     of generated workloads and Mooncake traces at load levels."""
     from bench.fleet.links import Topology
     from bench.fleet.pd import PdConfig
-    from bench.fleet.pd_bench import sweep, table
+    from bench.fleet.pd_bench import SWEEP_COST, cost_line, sweep, table
     from bench.fleet.pd_rules import PLANNED, RULES
     from bench.fleet.routing import ArrivalsWork, Cell, cell_arrivals
 
@@ -403,7 +403,8 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
             f"requests (inputs <= {args.max_input}, outputs <= {args.max_output}), arrivals x{args.rate:g}, seed "
             f"{args.seed}; " + caption_tail
         )
-        return head + "\n\n" + table({k: [v] for k, v in bests.items()}, args.instances), bests
+        body = table({k: [v] for k, v in bests.items()}, args.instances)
+        return f"{head}\n\n{body}\n\nCost: {cost_line(*SWEEP_COST)}", bests
     sections, summary = [], {}
     ids = _token_ids()
     for w in args.workloads:
@@ -426,7 +427,7 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
         f"{', '.join(map(str, args.seeds))} (averaged); load as a share of round robin's prefill capacity over all "
         f"instances; inputs <= {args.max_input}, outputs <= {args.max_output} tokens; " + caption_tail
     )
-    return head + "\n\n" + "\n\n".join(sections), summary
+    return head + "\n\n" + "\n\n".join(sections) + f"\n\nCost: {cost_line(*SWEEP_COST)}", summary
 
 
 def _short(workload: str) -> str:

@@ -113,6 +113,7 @@ class PdResult:
     decisions: int = 0
     decide_s: float = 0.0  # wall time in the rule (candidates and decide), excluding Match
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of the whole simulation (what it costs on an idle core)
     prefill: int = 0  # the split this run used (0: aggregated)
 
     @property
@@ -235,7 +236,7 @@ class PdFleet:
         self, arrivals: list[Arrival], prompts: PromptSource, progress: Callable[[int], None] | None = None
     ):
         cfg, r = self.cfg, self.result
-        wall0 = time.perf_counter()
+        wall0, cpu0 = time.perf_counter(), time.process_time()
         queue: list[tuple[float, int, int, Any]] = []
         seq = 0
 
@@ -327,6 +328,7 @@ class PdFleet:
         r.bytes_intra_node = self.links.bytes_intra_node
         r.makespan_s = last - first_at
         r.wall_s = time.perf_counter() - wall0
+        r.cpu_s = time.process_time() - cpu0
         return r
 
     # -- request life -----------------------------------------------------------------------------------------

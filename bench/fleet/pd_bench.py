@@ -93,7 +93,13 @@ def sweep(
         if jobs2:
             labels += [label for label, _ in jobs2]
             results += run_pd_many([j for _, j in jobs2], workers, progress)
+    SWEEP_COST[0] += len(results)
+    SWEEP_COST[1] += sum(r.cpu_s for r in results)
     return best_per_rule(labels, results)
+
+
+#: Simulations run and their CPU seconds, summed over every `sweep` of this process (for the report's footer).
+SWEEP_COST = [0, 0.0]
 
 
 def best_per_rule(labels: Sequence[str], results: Sequence[PdResult]) -> dict[str, PdResult]:
@@ -135,6 +141,13 @@ def row(label: str, rs: Sequence[PdResult], instances: int) -> str:
         f"| {avg(lambda r: r.itl_p99) * 1000:.1f} | {avg(lambda r: r.goodput):.2f} "
         f"| {avg(lambda r: r.bytes_inter_node) / 1e9:.1f} | {avg(lambda r: r.hit_rate):.3f} | {local:.2f} "
         f"| {avg(lambda r: max(r.max_waiting.values(), default=0)):.0f} |"
+    )
+
+
+def cost_line(runs: int, cpu_s: float) -> str:
+    """What the sweep cost: runs and CPU seconds (the wall time on idle cores is about CPU / cores)."""
+    return (
+        f"{runs} simulations, {cpu_s:.0f} CPU seconds in all ({cpu_s / max(runs, 1):.0f} s per simulation)."
     )
 
 
