@@ -85,6 +85,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "fleet-validate.md",
     ),
     (
+        "fleet_pd",
+        "P/D in the fleet simulator: every P/D rule at its best P:D split against aggregated serving",
+        ["bench.fleet", "pd", "--sizes", "4", "--nodes", "2", "--requests", "300", "--output-dir", "{out}"],
+        "fleet-pd.md",
+    ),
+    (
         "scale",
         "Fleet scale: 8, 64 and 512 instances",
         ["bench.fleet", "scale", "--output-dir", "{out}"],

@@ -6,6 +6,9 @@ time, in-process, so a whole trace replays against 8 to 512 instances in minutes
     python -m bench.fleet scale  [--sizes 8 64 512] [--base-instances 8] ...
     python -m bench.fleet validate [--instances 2] [--rate 0.625] [--speedup 2] ...  # against the real mesh
     python -m bench.fleet signal  # the ledger's prefill against the true queued prefill; 30-minute drift
+    python -m bench.fleet pd      [--workloads ...] [--sizes 8] [--nodes 2] [--loads 0.6 0.9] [--seeds 0]
+                                  [--prefill N] [--mode handoff|trigger]   # P/D rules, each at its best P:D split
+    python -m bench.fleet pd --trace FILE --requests N --rate R --instances N --npu-blocks B --nodes N
     python -m bench.fleet routing [--full] [--workloads ...] [--sizes 4] [--cache-sizes 2048 4096 8192 16384]
                                   [--loads 0.6 0.9 1.2] [--seeds 0]
 
@@ -352,6 +355,81 @@ def cmd_routing(args, progress=None) -> tuple[str, list]:
     return head + "\n\n" + table(results), results
 
 
+def cmd_pd(args, progress=None) -> tuple[str, dict]:
+    """Every P/D rule at its best P:D split against aggregated serving: on one trace (`--trace`), else on the grid
+    of generated workloads and Mooncake traces at load levels."""
+    from bench.fleet.links import Topology
+    from bench.fleet.pd import PdConfig
+    from bench.fleet.pd_bench import SWEEP_COST, cost_line, sweep, table
+    from bench.fleet.pd_rules import PLANNED, RULES
+    from bench.fleet.routing import ArrivalsWork, Cell, cell_arrivals
+
+    for rule in args.rules:
+        if rule not in RULES:
+            state = "not implemented yet (planned)" if rule in PLANNED else "unknown"
+            raise SystemExit(f"--rules: {rule!r} is {state}; known: {', '.join(RULES)}")
+    eng = engine(args)
+    topo = Topology(args.nodes)
+    slo = f"TTFT <= {args.ttft_slo_s:g} s and mean ITL <= {args.itl_slo_ms:g} ms"
+    caption_tail = (
+        f"{args.mode} mode, {args.nodes} node(s) (NIC {topo.nic_bandwidth / 1e9:g} GB/s, intra-node "
+        f"{topo.intra_bandwidth / 1e9:g} GB/s), {args.npu_blocks} NPU blocks of 16 tokens per engine (ascend-910b); "
+        "each rule at its best P:D split (highest goodput, then lowest mean TTFT; a quarter, half and three "
+        "quarters of the fleet, then the best one's neighbours) "
+        + (f"fixed at {args.prefill} prefill instances" if args.prefill else "among the splits tried")
+        + f". mean, p99: TTFT in simulated ms; itl p99: p99 over requests of their mean inter-token latency (ms); "
+        f"goodput: requests per simulated second with {slo}; bytes across nodes: GB of KV moved between nodes; "
+        "hit rate: prompt tokens found in the prefix cache of the instance that computed the prompt; local share: "
+        "requests a P/D rule served on one instance; most waiting: the largest queue (waiting requests) any instance "
+        "reported."
+    )
+
+    def base(n: int) -> PdConfig:
+        return PdConfig(
+            n,
+            1,
+            "aggregated",
+            args.mode,
+            eng,
+            topo,
+            ttft_slo_s=args.ttft_slo_s,
+            itl_slo_s=args.itl_slo_ms / 1000,
+        )
+
+    if args.trace:
+        bests = sweep(base(args.instances), workload(args), args.rules, args.prefill, args.workers, progress)
+        head = (
+            f"P/D rules in the fleet simulator, {args.instances} instances: {args.trace} trace, {args.requests} "
+            f"requests (inputs <= {args.max_input}, outputs <= {args.max_output}), arrivals x{args.rate:g}, seed "
+            f"{args.seed}; " + caption_tail
+        )
+        body = table({k: [v] for k, v in bests.items()}, args.instances)
+        return f"{head}\n\n{body}\n\nCost: {cost_line(*SWEEP_COST)}", bests
+    sections, summary = [], {}
+    ids = _token_ids()
+    for w in args.workloads:
+        for n in args.sizes:
+            for load in args.loads:
+                per_rule: dict[str, list] = {}
+                for seed in args.seeds:
+                    arr, _, _ = cell_arrivals(
+                        Cell(w, n, load, seed), args.requests, 0, eng, ids, args.max_input, args.max_output
+                    )
+                    work = ArrivalsWork(arr, seed)
+                    for label, r in sweep(
+                        base(n), work, args.rules, args.prefill, args.workers, progress
+                    ).items():
+                        per_rule.setdefault(label, []).append(r)
+                summary[(w, n, load)] = per_rule
+                sections.append(f"{_short(w)}, {n} instances, load {load:.0%}:\n\n" + table(per_rule, n))
+    head = (
+        f"P/D rules in the fleet simulator: {args.requests} requests per run; seeds "
+        f"{', '.join(map(str, args.seeds))} (averaged); load as a share of round robin's prefill capacity over all "
+        f"instances; inputs <= {args.max_input}, outputs <= {args.max_output} tokens; " + caption_tail
+    )
+    return head + "\n\n" + "\n\n".join(sections) + f"\n\nCost: {cost_line(*SWEEP_COST)}", summary
+
+
 def _short(workload: str) -> str:
     from bench.fleet.routing import _short as short
 
@@ -426,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("rows", "sweep", "scale", "validate", "signal", "routing"):
+    for name in ("rows", "sweep", "scale", "validate", "signal", "routing", "pd"):
         s = sub.add_parser(name)
         add_arguments(s)
         s.add_argument("--output-dir", help="write fleet-<cmd>.md (and a plot for scale) here")
@@ -446,6 +524,25 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--seeds", type=int, nargs="+", default=[0])
             s.add_argument("--warm", type=int, default=1000, help="measured requests per run")
             s.add_argument("--warmup", type=int, default=200, help="requests before them (cache warm-up)")
+        if name == "pd":
+            from bench.fleet.pd_rules import RULES
+
+            s.add_argument("--nodes", type=int, default=2, help="nodes the instances are spread over")
+            s.add_argument(
+                "--prefill", type=int, default=None, help="prefill instances (default: each rule's best)"
+            )
+            s.add_argument("--mode", choices=["handoff", "trigger"], default="handoff")
+            s.add_argument("--rules", nargs="+", default=list(RULES))
+            s.add_argument(
+                "--workloads", nargs="+", default=["tenants_rag", "sessions_agents", "conversation"],
+                help="grid mode (without --trace)",
+            )  # fmt: skip
+            s.add_argument("--sizes", type=int, nargs="+", default=[8], help="instances (grid mode)")
+            s.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.9], help="grid mode")
+            s.add_argument("--seeds", type=int, nargs="+", default=[0], help="grid mode")
+            s.add_argument("--ttft-slo-s", type=float, default=2.0, help="goodput's TTFT bound")
+            s.add_argument("--itl-slo-ms", type=float, default=50.0, help="goodput's mean ITL bound")
+            s.set_defaults(trace=None, instances=8, requests=1000)
         if name == "validate":
             s.add_argument(
                 "--speedup", type=float, default=2.0, help="simengine --speedup of the real-time side"
@@ -473,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             text, _ = cmd_signal(args, bar.update)
         elif args.cmd == "routing":
             text, _ = cmd_routing(args, bar.update)
+        elif args.cmd == "pd":
+            text, _ = cmd_pd(args, bar.update)
         else:
             text, rows = cmd_scale(args, bar.update)
     print(text)
