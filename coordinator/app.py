@@ -25,6 +25,7 @@ from coordinator.etcd_state import EtcdState
 from coordinator.ext_authz import Authorization
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
+from coordinator.instance_probe import HealthProber
 from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker
@@ -134,7 +135,10 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     shared: SharedState = LocalState()
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
-    registry = RegistryService(instances, config, picker.ledger, shared, tls_on=tls is not None)
+    prober = HealthProber() if config.probe_instances else None
+    registry = RegistryService(
+        instances, config, picker.ledger, shared, tls_on=tls is not None, book=mesh.node_book, prober=prober
+    )
     admin = AdminService(picker, decider.counters, mesh, shared)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
@@ -151,6 +155,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
     metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
     metrics.TICKETS.watch(tickets)
+    app.on_stop(registry.close)
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
     app.on_stop(shared.close)
@@ -176,14 +181,24 @@ async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interva
             log.info("tickets reconciled with idle engines", extra={"count": len(reconciled)})
 
 
-async def expire_silent(picker: EndpointPicker, ttl_s: float) -> None:
-    """Marks instances without heartbeats for `ttl_s` unhealthy."""
+async def expire_silent(
+    picker: EndpointPicker,
+    ttl_s: float,
+    registry: RegistryService | None = None,
+    removal_s: float | None = None,
+) -> None:
+    """Marks instances without heartbeats for `ttl_s` unhealthy, and removes those silent for `removal_s`."""
     while True:
         await asyncio.sleep(min(ttl_s / 4, 1.0))
         expired = picker.instances.expire(ttl_s)
         if expired:
             log.warning("instances silent, marked unhealthy", extra={"instances": expired})
             publish_instance_counts(picker.instances)
+        if registry is not None and removal_s is not None:
+            removed = registry.remove_silent(removal_s)
+            if removed:
+                metrics.INSTANCES_REMOVED.inc(len(removed))
+                log.warning("instances silent, removed", extra={"instances": removed})
 
 
 def apply_shared_scheduler(mesh: MeshView, picker: EndpointPicker, matcher, section: dict) -> bool:
@@ -231,7 +246,12 @@ async def run(
             tasks.append(asyncio.create_task(publish_scheduler(mesh, shared)))
         await c.shared.start(c.picker.instances)
         c.matcher.start()
-        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.instance_ttl)))
+        section = mesh.coordinator
+        tasks.append(
+            asyncio.create_task(
+                expire_silent(c.picker, section.instance_ttl, c.registry, section.instance_removal)
+            )
+        )
         if c.pool is not None:
             tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))

@@ -31,7 +31,7 @@ from tandem.v1 import (
     registry_pb2,
     registry_pb2_grpc,
 )
-from tests.helpers import RunningMesh, mesh_config, metric_sum, wait_until
+from tests.helpers import RunningMesh, free_port, mesh_config, metric_sum, wait_until
 
 API_KEY = "sk-hostile-suite-key"
 PROMPT = " ".join(f"token{i}" for i in range(64))
@@ -51,6 +51,7 @@ def hostile_config(workdir) -> dict:
     config["coordinator"]["limits"] = {"max_tokens": 4096, "max_n": 4}
     config["models"][0]["max_model_len"] = 8192
     config["envoy"]["request_headers_timeout_s"] = 1.0
+    config["coordinator"]["max_instances_per_node"] = 8
     return config
 
 
@@ -107,6 +108,55 @@ def instance(iid: str, node: str = "n1", port: int = 1) -> common_pb2.Instance:
         dispatch_capability=common_pb2.DISPATCH_CAPABILITY_TRIGGER,
         node_id=node,
     )
+
+
+def wait_routable(mesh, iid: str) -> None:
+    """Waits until the coordinator probed `iid` (a new instance is routable only once it answers /health)."""
+
+    def healthy() -> bool:
+        listed = mesh.admin().ListInstances(admin_pb2.ListInstancesRequest(), timeout=5).instances
+        return any(i.instance.instance_id == iid and i.health == common_pb2.HEALTH_HEALTHY for i in listed)
+
+    wait_until(healthy, 10, f"{iid} answered the coordinator's probe")
+
+
+def test_a_fake_instance_flood_with_an_agent_certificate_is_not_routed_and_capped(mesh):
+    """The issue's flood: n1's own agent certificate registers instances at an address where nothing answers, and
+    at Envoy's own port. None is routable (they never answer the coordinator's probe), past the per-node cap every
+    registration is refused, Envoy's address is refused outright, and user requests all succeed meanwhile."""
+    agent = extra_identity(mesh, "agent/n1")
+    dead = free_port()
+    with tls.channel(mesh.grpc_address, agent, "coordinator") as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        codes = []
+        for i in range(20):
+            codes.append(
+                code_and_details(
+                    lambda i=i: stub.Register(
+                        registry_pb2.RegisterRequest(instance=instance(f"flood-{i}", "n1", dead)), timeout=5
+                    )
+                )[0]
+            )
+        loop = instance("loop-0", "n1", split_host_port(mesh.http.removeprefix("http://"))[1])
+        code, details = code_and_details(
+            lambda: stub.Register(registry_pb2.RegisterRequest(instance=loop), timeout=5)
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "Envoy's own listener" in details
+        try:
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+            listed = mesh.admin().ListInstances(admin_pb2.ListInstancesRequest(), timeout=5).instances
+            assert sum(i.instance.node_id == "n1" for i in listed) <= 8
+            flood = [i for i in listed if i.instance.instance_id.startswith("flood-")]
+            assert flood and all(i.health == common_pb2.HEALTH_STARTING for i in flood)
+            replies = [complete(mesh) for _ in range(10)]
+            assert [r.status_code for r in replies] == [200] * 10
+        finally:
+            for i in range(20):
+                code_and_details(
+                    lambda i=i: stub.Deregister(
+                        registry_pb2.DeregisterRequest(instance_id=f"flood-{i}"), timeout=5
+                    )
+                )
 
 
 # -- the control listener: no certificate, wrong CA, wrong identity ---------------------------------------------------
@@ -307,6 +357,11 @@ class FakeDecodeEngine:
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name; the coordinator's probe of /health
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.put((dict(self.headers), body))
@@ -353,6 +408,7 @@ def test_forged_callbacks_racing_a_real_attempt_are_refused(mesh):
 
     heartbeat = threading.Thread(target=lambda: list(registry.Heartbeat(beats())), daemon=True)
     heartbeat.start()
+    wait_routable(mesh, "decode-fake")
     admin = mesh.admin()
     admin.DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="decode-0"), timeout=5)
     refused = "tandem_coordinator_metaserver_callbacks_total"
@@ -561,6 +617,7 @@ def test_api_key_and_request_ids_on_the_ext_authz_path(tmp_path):
     try:
         registry.Register(registry_pb2.RegisterRequest(instance=hybrid), timeout=5)
         heartbeat.start()
+        wait_routable(running, "hybrid-fake")
         running.admin().DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="sim-0"), timeout=5)
         assert complete(running, headers={}).status_code == 401
         reply = complete(running, headers={**auth(), "X-Request-Id": "client-7"})
