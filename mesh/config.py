@@ -109,6 +109,9 @@ class SecurityConfig(BaseModel):
     """Where the CA and component certificates are (`tandem certs --dir`). Unset: `tandem up` creates them in
     `<run-dir>/certs`; a component started alone (`tandem coordinator ...`) needs it, or `--certs-dir`. A relative
     path is relative to the mesh file."""
+    revoked_nodes: list[str] = []
+    """Nodes removed from the mesh whose agent certificates (`spiffe://tandem/agent/<node_id>`) every server and
+    Envoy's control listener refuse, although the mesh CA signed them (docs/security.md, "Removing a node")."""
 
 
 class RestartPolicy(BaseModel):
@@ -167,6 +170,16 @@ class MeshConfig(BaseModel):
     up: UpConfig = UpConfig()
     path: str = Field(default="", exclude=True)
     """The file the config came from (set by `load_mesh_config`)."""
+
+    @model_validator(mode="after")
+    def _revoked_nodes_are_gone(self) -> MeshConfig:
+        for agent in self.node_agents:
+            if agent.node_id in self.security.revoked_nodes:
+                raise ValueError(
+                    f"security.revoked_nodes: node {agent.node_id!r} is revoked but still in node_agents; "
+                    "remove its entry"
+                )
+        return self
 
     @model_validator(mode="after")
     def _metaserver_reachable(self) -> MeshConfig:

@@ -52,6 +52,7 @@ def hostile_config(workdir) -> dict:
     config["models"][0]["max_model_len"] = 8192
     config["envoy"]["request_headers_timeout_s"] = 1.0
     config["coordinator"]["max_instances_per_node"] = 8
+    config.setdefault("security", {})["revoked_nodes"] = ["n-removed"]
     return config
 
 
@@ -175,6 +176,37 @@ def test_no_certificate_cannot_even_connect(mesh):
                 )
             )
         assert code == grpc.StatusCode.UNAVAILABLE, address
+
+
+def test_a_removed_nodes_certificate_is_refused_on_every_listener(mesh):
+    """A node taken out of the mesh (`security.revoked_nodes`) keeps a certificate the mesh CA signed: Envoy's
+    control listener, the coordinator and the conductor refuse it, even for health."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    removed = extra_identity(mesh, "agent/n-removed")
+    targets = [
+        (mesh.grpc_address, "coordinator", "may not be called by"),  # Envoy's RBAC
+        (mesh.config["coordinator"]["listen"], "coordinator", "revoked"),
+        (mesh.config["conductor"]["listen"], "conductor", "revoked"),
+    ]
+    for address, server, reason in targets:
+        with tls.channel(address, removed, server) as channel:
+            if server == "coordinator":
+                code, details = code_and_details(
+                    lambda ch=channel: registry_pb2_grpc.RegistryStub(ch).Register(
+                        registry_pb2.RegisterRequest(instance=instance("removed-0", "n-removed")), timeout=5
+                    )
+                )
+                assert code == grpc.StatusCode.PERMISSION_DENIED and reason in details, (address, details)
+            code, details = code_and_details(
+                lambda ch=channel: health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+            )
+            assert code == grpc.StatusCode.PERMISSION_DENIED and reason in details, (address, details)
+    # A current node's certificate still works.
+    with tls.channel(mesh.config["conductor"]["listen"], extra_identity(mesh, "agent/n1"), "conductor") as ch:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
 
 
 def test_certificate_from_another_ca_is_refused(mesh, tmp_path):
