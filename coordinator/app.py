@@ -118,7 +118,9 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ]
     app = GrpcApp("coordinator", config.listen, config.metrics_listen, options=options, tls=tls, rules=RULES)
-    handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
+    handoff = HandoffRunner(
+        picker, config.prefill_timeout_s, config.prefill_attempts, config.callback_kv_hosts
+    )
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url, config.callback_kv_hosts)
     # Ticket ids start with the replica's name: Envoy sends each replica the access log of its own tickets.
     incarnation = f"{config.replica}.{os.urandom(4).hex()}"

@@ -463,6 +463,18 @@ def test_forged_callbacks_racing_a_real_attempt_are_refused(mesh):
                 ("/v1/metaserver/c0", real, "token"),
                 (f"/v1/metaserver/c0/{token}", {**real, "remote_host": "10.9.9.9"}, "remote_host"),
                 (f"/v1/metaserver/c0/{token}", {**real, "remote_block_ids": [list(range(500))]}, "KV blocks"),
+                # The caller's own block size and group count no longer widen the bound (the prompt is 64 tokens,
+                # the decode instance registered 16-token blocks: at most 5 per group, 4 groups).
+                (
+                    f"/v1/metaserver/c0/{token}",
+                    {**real, "remote_block_ids": [list(range(60))], "remote_block_size": [1]},
+                    "KV blocks",
+                ),  # fmt: skip
+                (
+                    f"/v1/metaserver/c0/{token}",
+                    {**real, "remote_block_ids": [[1, 2, 3, 4, 5]] * 12},
+                    "KV cache groups",
+                ),  # fmt: skip
             ]
             for path, facts, reason in forged:
                 reply = callback(mesh, path, facts)
