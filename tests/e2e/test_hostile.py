@@ -178,6 +178,49 @@ def test_no_certificate_cannot_even_connect(mesh):
         assert code == grpc.StatusCode.UNAVAILABLE, address
 
 
+def test_another_nodes_agent_cannot_send_kv_events_or_instance_gone_for_n1s_instances(mesh):
+    """An agent certificate of node n2 streams `InstanceGone` and invented KV blocks for n1's instances to the
+    conductor (directly and through Envoy): every message is dropped and counted; n1's entries stay."""
+    from tandem.v1 import conductor_pb2, conductor_pb2_grpc
+
+    assert complete(mesh).status_code == 200  # n1's engines have indexed something
+    address = mesh.config["conductor"]["listen"]
+    metrics = mesh.config["conductor"]["metrics_listen"]
+    with mesh.channel() as channel:
+        stats = conductor_pb2_grpc.ConductorStub(channel).GetIndexStats
+        entries = wait_until(
+            lambda: stats(conductor_pb2.GetIndexStatsRequest(), timeout=5).npu_blocks, 10, "indexed blocks"
+        )
+    before = metric_sum(metrics, "tandem_conductor_foreign_messages_total")
+    rogue = extra_identity(mesh, "agent/n2")
+    stored = conductor_pb2.BlockStored(
+        block_hashes=list(range(1, 9)), token_ids=list(range(8 * 16)), block_size=16
+    )
+    forged = [
+        conductor_pb2.IngestRequest(instance_gone=conductor_pb2.InstanceGone(instance_id="prefill-0")),
+        conductor_pb2.IngestRequest(instance_gone=conductor_pb2.InstanceGone(instance_id="decode-0")),
+        conductor_pb2.IngestRequest(
+            batch=conductor_pb2.KvEventBatch(
+                instance_id="prefill-0", sequence=10**6, model="tandem-sim", block_size=16,
+                events=[conductor_pb2.KvEvent(block_stored=stored)],
+            )
+        ),
+    ]  # fmt: skip
+    for target, server in ((address, "conductor"), (mesh.grpc_address, "conductor")):
+        with tls.channel(target, rogue, server) as channel:
+            list(conductor_pb2_grpc.ConductorStub(channel).Ingest(iter(forged), timeout=5))
+    wait_until(
+        lambda: metric_sum(metrics, "tandem_conductor_foreign_messages_total") >= before + 2 * len(forged),
+        10,
+        "the forged messages counted",
+    )
+    with mesh.channel() as channel:
+        after = conductor_pb2_grpc.ConductorStub(channel).GetIndexStats(
+            conductor_pb2.GetIndexStatsRequest(), timeout=5
+        )
+    assert after.npu_blocks >= entries  # nothing erased, nothing invented for n1's instances
+
+
 def test_a_removed_nodes_certificate_is_refused_on_every_listener(mesh):
     """A node taken out of the mesh (`security.revoked_nodes`) keeps a certificate the mesh CA signed: Envoy's
     control listener, the coordinator and the conductor refuse it, even for health."""
