@@ -82,6 +82,7 @@ class Holder:
         default_factory=dict
     )  # engine hash -> own hash, store order (oldest first)
     medium_entries: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # entries per medium
+    limit: int = 0  # the KV blocks the engine rank reports it can hold (0: unknown); bounds `blocks`
 
     @property
     def key(self) -> tuple[str, int]:
@@ -222,7 +223,7 @@ class KvIndex:
             self._store_tokens(h, ev, medium)
         else:
             self._store_known(h, ev.block_hashes, medium)
-        if len(h.blocks) > self.max_per_holder:
+        if len(h.blocks) > self.max_per_holder or 0 < h.limit < len(h.blocks):
             self._trim_holder(h)
         if self.entries > self.max_entries and self.eviction == "oldest_first":
             self.evict()
@@ -361,9 +362,10 @@ class KvIndex:
         return dropped
 
     def _trim_holder(self, h: Holder) -> None:
-        """The per-holder bound: `h` loses its oldest-stored blocks down to `max_per_holder` (whatever the global
-        policy: one holder's flood must not refuse or evict other holders' blocks)."""
-        n = len(h.blocks) - self.max_per_holder
+        """The per-holder bound: `h` loses its oldest-stored blocks down to `max_per_holder`, or the capacity its
+        engine reports when smaller (whatever the global policy: one holder's flood must not refuse or evict
+        other holders' blocks)."""
+        n = len(h.blocks) - min(self.max_per_holder, h.limit or self.max_per_holder)
         for eh in list(islice(h.blocks, n)):
             self._unset_all(h, h.blocks.pop(eh))
         self.entries -= n

@@ -77,3 +77,12 @@ async def test_another_nodes_agent_cannot_erase_or_fill_an_instances_entries():
     assert conductor.index.entries == 0
     await read(conductor, None, [ingest_batch("a-0", 1, events)])  # insecure mode: no identity, no check
     assert conductor.index.entries == 1
+
+
+async def test_a_rank_keeps_at_most_the_blocks_its_engine_reports():
+    """The reported capacity (`KvEventBatch.capacity_blocks`) bounds a holder below `max_blocks_per_holder`."""
+    conductor = Conductor(ConductorConfig(max_blocks_per_holder=100))
+    batch = ingest_batch("a-0", 1, [block_stored(list(range(1, 21)), None, list(range(80)))])
+    batch.batch.capacity_blocks = 8
+    await read(conductor, None, [batch])
+    assert conductor.index.entries == 8 and conductor.extra_counters()["holder_cap_evicted_entries"] == 12
