@@ -46,7 +46,7 @@ class Conductor:
             self.index, SequenceTracker(config.max_pending_batches, config.replay_timeout_s)
         )
         event_owners = EventOwners(
-            owners, (ep.instance_id for ep in config.direct_endpoints), config.max_instances_per_node
+            owners, (ep.instance_id for ep in config.direct_endpoints), config.max_ranks_per_node
         )
         self.service = ConductorService(self.core, config, event_owners)
         self.ctx: zmq.asyncio.Context | None = None

@@ -112,7 +112,7 @@ class KvIndex:
         self,
         max_entries: int = 20_000_000,
         eviction: EvictionPolicy = "oldest_first",
-        max_per_holder: int = 1_000_000,
+        max_per_holder: int = 250_000,
     ) -> None:
         self.max_entries = max_entries
         self.max_per_holder = max_per_holder

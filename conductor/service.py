@@ -42,7 +42,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         self.config = config
         self.owners = owners or EventOwners(
             direct=(ep.instance_id for ep in config.direct_endpoints),
-            max_per_node=config.max_instances_per_node,
+            max_per_node=config.max_ranks_per_node,
         )
         self.streams: set[AgentStream] = set()
         self.foreign_messages = 0  # Ingest messages about instances of another node (or over the node's cap)
@@ -77,11 +77,11 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                 self.owners.node_lost(stream.node)
             log.info("agent disconnected", extra={"peer": stream.peer})
 
-    def _foreign(self, stream: AgentStream, instance_id: str) -> bool:
+    def _foreign(self, stream: AgentStream, instance_id: str, dp_rank: int | None = None) -> bool:
         """True (counted, logged once per stream) when the stream's node may not speak for `instance_id`."""
         if stream.node is None:
             return False
-        problem = self.owners.problem(stream.node, instance_id)
+        problem = self.owners.problem(stream.node, instance_id, dp_rank)
         if problem is None:
             return False
         self.foreign_messages += 1
@@ -101,7 +101,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                 if not b.instance_id or b.block_size == 0 or not b.model:
                     self.rejected_batches += 1
                     continue
-                if self._foreign(stream, b.instance_id):
+                if self._foreign(stream, b.instance_id, b.dp_rank):
                     continue
                 ask = core.batch(batch_from_pb(b), stream, can_replay=True)
                 if ask is not None:
@@ -116,7 +116,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                         self.dropped_replays += 1
             elif kind == "replay_done":
                 d = req.replay_done
-                if not self._foreign(stream, d.instance_id):
+                if not self._foreign(stream, d.instance_id, d.dp_rank):
                     core.replay_done(d.instance_id, d.dp_rank, d.recovered)
             elif kind == "instance_gone":
                 iid = req.instance_gone.instance_id

@@ -25,16 +25,20 @@ def test_named_ids_belong_to_their_node_and_others_to_the_first_sender():
     assert "node 'n2'" in owners.problem("n1", "free-0")
     owners.gone("n2", "free-0")  # released by its owner
     assert owners.problem("n1", "free-0") is None
-    assert owners.node_lost("n1") == ["a-0", "free-0"]  # its streams ended: released too
+    assert owners.node_lost("n1") == ["free-0"]  # its streams ended: released too
     assert owners.problem("n2", "free-0") is None
 
 
-def test_a_node_speaks_for_a_bounded_number_of_instances():
+def test_a_node_speaks_for_a_bounded_number_of_engine_ranks():
+    """Ids and DP ranks are both the agent's word: inventing ranks of one id counts as much as inventing ids."""
     owners = EventOwners({}, max_per_node=3)
-    assert [owners.problem("n1", f"x-{i}") for i in range(3)] == [None] * 3
-    assert "at most 3" in owners.problem("n1", "x-3")
-    assert owners.problem("n1", "x-0") is None  # one it already has
-    assert owners.problem("n2", "y-0") is None  # another node's cap is its own
+    assert [owners.problem("n1", "x-0", rank) for rank in range(3)] == [None] * 3
+    assert "at most 3" in owners.problem("n1", "x-0", 3)
+    assert "at most 3" in owners.problem("n1", "x-1", 0)
+    assert owners.problem("n1", "x-0", 1) is None  # one it already has
+    assert owners.problem("n2", "y-0", 0) is None  # another node's cap is its own
+    owners.gone("n1", "x-0")
+    assert owners.problem("n1", "x-1", 0) is None
 
 
 def test_one_holder_cannot_take_the_whole_index():
