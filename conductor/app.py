@@ -7,11 +7,13 @@ import asyncio
 import contextlib
 import gc
 import logging
+from collections.abc import Mapping
 
 import zmq.asyncio
 
 from conductor.config import ConductorConfig
 from conductor.direct import DirectSource
+from conductor.event_owners import EventOwners
 from conductor.freshness import SequenceTracker
 from conductor.index import KvIndex
 from conductor.ingest import IngestCore
@@ -36,13 +38,17 @@ RULES = {
 class Conductor:
     """Everything the conductor runs, startable inside any asyncio loop (the process, or a test)."""
 
-    def __init__(self, config: ConductorConfig) -> None:
+    def __init__(self, config: ConductorConfig, owners: Mapping[str, frozenset[str]] | None = None) -> None:
+        """`owners`: instance id -> the nodes the mesh file lists it under (`conductor.event_owners`)."""
         self.config = config
-        self.index = KvIndex(config.max_entries, config.eviction)
+        self.index = KvIndex(config.max_entries, config.eviction, config.max_blocks_per_holder)
         self.core = IngestCore(
             self.index, SequenceTracker(config.max_pending_batches, config.replay_timeout_s)
         )
-        self.service = ConductorService(self.core, config)
+        event_owners = EventOwners(
+            owners, (ep.instance_id for ep in config.direct_endpoints), config.max_ranks_per_node
+        )
+        self.service = ConductorService(self.core, config, event_owners)
         self.ctx: zmq.asyncio.Context | None = None
         self.direct: list[DirectSource] = []
         self._tick: asyncio.Task | None = None
@@ -54,6 +60,8 @@ class Conductor:
     def extra_counters(self) -> dict[str, int]:
         return {
             "rejected_batches": self.service.rejected_batches,
+            "foreign_messages": self.service.foreign_messages,
+            "holder_cap_evicted_entries": self.index.counters.holder_cap_evicted,
             "matches": self.service.matches,
             "truncated_matches": self.service.truncated_matches,
             "expired_matches": self.service.expired_matches,
@@ -98,9 +106,11 @@ class Conductor:
             self.ctx = None
 
 
-async def run(config: ConductorConfig, tls: TlsFiles | None = None) -> None:
-    """Serves until SIGTERM (mutual TLS and authorization with `tls`)."""
-    conductor = Conductor(config)
+async def run(
+    config: ConductorConfig, tls: TlsFiles | None = None, owners: Mapping[str, frozenset[str]] | None = None
+) -> None:
+    """Serves until SIGTERM (mutual TLS and authorization with `tls`; KV events only from the owners' agents)."""
+    conductor = Conductor(config, owners)
     app = GrpcApp(
         "conductor", listen=config.listen, metrics_listen=config.metrics_listen, tls=tls, rules=RULES
     )

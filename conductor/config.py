@@ -57,6 +57,15 @@ class ConductorConfig(BaseModel):
     """Memory bound: the most (block, holder) entries kept, about 200 bytes each (20M ~ 4 GB at worst)."""
     eviction: EvictionPolicy = "oldest_first"
     """What goes first at the bound: `oldest_first` (largest holder's oldest blocks) or `reject_new`."""
+    max_blocks_per_holder: int = Field(default=250_000, gt=0)
+    """Blocks one engine rank may have indexed: past it the rank's oldest blocks go first (counted in
+    `tandem_conductor_holder_cap_evicted_entries_total`), so one node's agent cannot fill the whole index with
+    invented blocks. Above a large engine's capacity (an 80 GB GPU holds about 30,000 16-token blocks of an 8B model;
+    CPU offload adds more): raise it for engines whose GPU plus CPU blocks exceed it (about 60 MB of index each)."""
+    max_ranks_per_node: int = Field(default=256, gt=0)
+    """Engine ranks (instance, DP rank) one node's agent may send KV events for; events for more are dropped and
+    counted in `tandem_conductor_foreign_messages_total`. With `max_blocks_per_holder`, this bounds what one node
+    can put in the index."""
     match_deadline_ms: float = Field(default=50.0, gt=0)
     """A `Match` walk past this budget stops where it is: hits are reported up to the blocks walked (an
     underestimate, never a false hit) and the truncation is counted."""

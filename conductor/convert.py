@@ -21,6 +21,7 @@ def batch_from_pb(b: conductor_pb2.KvEventBatch) -> IncomingBatch:
         ts=ts,
         events=events_from_pb(b.events),
         replayed=b.replayed,
+        capacity_blocks=b.capacity_blocks,
     )
 
 

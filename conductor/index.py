@@ -82,6 +82,7 @@ class Holder:
         default_factory=dict
     )  # engine hash -> own hash, store order (oldest first)
     medium_entries: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # entries per medium
+    limit: int = 0  # the KV blocks the engine rank reports it can hold (0: unknown); bounds `blocks`
 
     @property
     def key(self) -> tuple[str, int]:
@@ -97,16 +98,24 @@ class IndexCounters:
     orphan_blocks: int = 0  # stored blocks whose parent is unknown to the holder (not indexed)
     unresolved_blocks: int = 0  # token-less stores / removals of engine hashes the holder never stored
     evicted_entries: int = 0  # (block, holder) entries dropped by the memory bound
+    holder_cap_evicted: int = 0  # (block, holder) entries dropped by the per-holder bound (max_per_holder)
     rejected_entries: int = 0  # new entries refused by the memory bound (policy reject_new)
     unknown_medium: int = 0  # events skipped for a medium that is not NPU, CPU or disk
     holder_clears: int = 0  # AllBlocksCleared, replay-failure clears and holder re-registrations
 
 
 class KvIndex:
-    """Holdings per (instance, DP rank) per medium, bounded to `max_entries` (block, holder) entries."""
+    """Holdings per (instance, DP rank) per medium, bounded to `max_entries` (block, holder) entries in all and
+    `max_per_holder` per holder."""
 
-    def __init__(self, max_entries: int = 20_000_000, eviction: EvictionPolicy = "oldest_first") -> None:
+    def __init__(
+        self,
+        max_entries: int = 20_000_000,
+        eviction: EvictionPolicy = "oldest_first",
+        max_per_holder: int = 250_000,
+    ) -> None:
         self.max_entries = max_entries
+        self.max_per_holder = max_per_holder
         self.eviction = eviction
         self.holders: dict[tuple[str, int], Holder] = {}
         self.by_instance: dict[str, dict[int, Holder]] = {}  # instance -> dp_rank -> holder
@@ -214,6 +223,8 @@ class KvIndex:
             self._store_tokens(h, ev, medium)
         else:
             self._store_known(h, ev.block_hashes, medium)
+        if len(h.blocks) > self.max_per_holder or 0 < h.limit < len(h.blocks):
+            self._trim_holder(h)
         if self.entries > self.max_entries and self.eviction == "oldest_first":
             self.evict()
 
@@ -349,6 +360,16 @@ class KvIndex:
             dropped += n
         self.counters.evicted_entries += dropped
         return dropped
+
+    def _trim_holder(self, h: Holder) -> None:
+        """The per-holder bound: `h` loses its oldest-stored blocks down to `max_per_holder`, or the capacity its
+        engine reports when smaller (whatever the global policy: one holder's flood must not refuse or evict
+        other holders' blocks)."""
+        n = len(h.blocks) - min(self.max_per_holder, h.limit or self.max_per_holder)
+        for eh in list(islice(h.blocks, n)):
+            self._unset_all(h, h.blocks.pop(eh))
+        self.entries -= n
+        self.counters.holder_cap_evicted += n
 
     # -- introspection --------------------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class IncomingBatch:
     ts: float  # engine wall-clock time of the batch (0 when unknown)
     events: list[KvEvent] = field(default_factory=list)
     replayed: bool = False  # read from the replay socket rather than the live publisher
+    capacity_blocks: int = 0  # KV blocks the rank can hold, as its agent reports them (0: unknown)
 
 
 @dataclass(slots=True)
@@ -168,6 +169,8 @@ class IngestCore:
         n_events = 0
         for b in step.apply:
             h = index.holder(b.instance_id, b.dp_rank, b.model, b.block_size)
+            if b.capacity_blocks:
+                h.limit = b.capacity_blocks
             for ev in b.events:
                 try:
                     index.apply(h, ev)

@@ -10,8 +10,10 @@ import grpc
 
 from conductor.config import ConductorConfig
 from conductor.convert import batch_from_pb, match_to_pb, stats_to_pb
+from conductor.event_owners import EventOwners
 from conductor.ingest import IngestCore
 from conductor.match import match
+from tandem.tls import agent_node, caller_var
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -20,8 +22,10 @@ log = logging.getLogger(__name__)
 class AgentStream:
     """One node agent's `Ingest` stream: a source token for `IngestCore` and its bounded replay-request queue."""
 
-    def __init__(self, peer: str, size: int) -> None:
+    def __init__(self, peer: str, size: int, node: str | None = None) -> None:
         self.peer = peer
+        self.node = node  # the caller's node (its certificate), None without TLS
+        self.warned = False  # a refused message was logged (once per stream)
         self.replies: asyncio.Queue[conductor_pb2.IngestResponse] = asyncio.Queue(maxsize=size)
         self.dropped = 0
 
@@ -30,12 +34,18 @@ class AgentStream:
 
 
 class ConductorService(conductor_pb2_grpc.ConductorServicer):
-    """Ingest from node agents, Match for the coordinator, GetIndexStats for operators."""
+    """Ingest from node agents (with TLS, each only about its own node's instances: `conductor.event_owners`),
+    Match for the coordinator, GetIndexStats for operators."""
 
-    def __init__(self, core: IngestCore, config: ConductorConfig) -> None:
+    def __init__(self, core: IngestCore, config: ConductorConfig, owners: EventOwners | None = None) -> None:
         self.core = core
         self.config = config
+        self.owners = owners or EventOwners(
+            direct=(ep.instance_id for ep in config.direct_endpoints),
+            max_per_node=config.max_ranks_per_node,
+        )
         self.streams: set[AgentStream] = set()
+        self.foreign_messages = 0  # Ingest messages about instances of another node (or over the node's cap)
         self.rejected_batches = 0
         self.matches = 0
         self.truncated_matches = 0
@@ -43,7 +53,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         self.dropped_replays = 0
 
     async def Ingest(self, request_iterator, context: grpc.aio.ServicerContext):
-        stream = AgentStream(context.peer(), self.config.replay_queue_size)
+        stream = AgentStream(context.peer(), self.config.replay_queue_size, agent_node(caller_var.get()))
         self.streams.add(stream)
         reader = asyncio.create_task(self._read(request_iterator, stream))
         log.info("agent connected", extra={"peer": stream.peer})
@@ -63,7 +73,24 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
             reader.cancel()
             self.streams.discard(stream)
             self.core.source_lost(stream)
+            if stream.node is not None and not any(s.node == stream.node for s in self.streams):
+                self.owners.node_lost(stream.node)
             log.info("agent disconnected", extra={"peer": stream.peer})
+
+    def _foreign(self, stream: AgentStream, instance_id: str, dp_rank: int | None = None) -> bool:
+        """True (counted, logged once per stream) when the stream's node may not speak for `instance_id`."""
+        if stream.node is None:
+            return False
+        problem = self.owners.problem(stream.node, instance_id, dp_rank)
+        if problem is None:
+            return False
+        self.foreign_messages += 1
+        if not stream.warned:
+            stream.warned = True
+            log.warning(
+                "ingest message refused", extra={"peer": stream.peer, "node": stream.node, "error": problem}
+            )
+        return True
 
     async def _read(self, request_iterator, stream: AgentStream) -> None:
         core = self.core
@@ -73,6 +100,8 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                 b = req.batch
                 if not b.instance_id or b.block_size == 0 or not b.model:
                     self.rejected_batches += 1
+                    continue
+                if self._foreign(stream, b.instance_id, b.dp_rank):
                     continue
                 ask = core.batch(batch_from_pb(b), stream, can_replay=True)
                 if ask is not None:
@@ -87,9 +116,14 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                         self.dropped_replays += 1
             elif kind == "replay_done":
                 d = req.replay_done
-                core.replay_done(d.instance_id, d.dp_rank, d.recovered)
+                if not self._foreign(stream, d.instance_id, d.dp_rank):
+                    core.replay_done(d.instance_id, d.dp_rank, d.recovered)
             elif kind == "instance_gone":
-                core.instance_gone(req.instance_gone.instance_id)
+                iid = req.instance_gone.instance_id
+                if not self._foreign(stream, iid):
+                    core.instance_gone(iid)
+                    if stream.node is not None:
+                        self.owners.gone(stream.node, iid)
 
     async def Match(self, request_iterator, context: grpc.aio.ServicerContext):
         budget = self.config.match_deadline_ms / 1000.0

@@ -26,6 +26,7 @@ from coordinator.etcd_state import EtcdState
 from coordinator.ext_authz import Authorization
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
+from coordinator.instance_probe import HealthProber
 from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker
@@ -119,7 +120,9 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ]
     app = GrpcApp("coordinator", config.listen, config.metrics_listen, options=options, tls=tls, rules=RULES)
-    handoff = HandoffRunner(picker, config.prefill_timeout_s, config.prefill_attempts)
+    handoff = HandoffRunner(
+        picker, config.prefill_timeout_s, config.prefill_attempts, config.callback_kv_hosts
+    )
     trigger = TriggerCoordinator(handoff, AttemptRegistry(), mesh.metaserver_url, config.callback_kv_hosts)
     # Ticket ids start with the replica's name: Envoy sends each replica the access log of its own tickets.
     incarnation = f"{config.replica}.{os.urandom(4).hex()}"
@@ -136,8 +139,16 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     shared: SharedState = LocalState()
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
+    prober = HealthProber() if config.probe_instances else None
     registry = RegistryService(
-        instances, config, picker.ledger, shared, tls_on=tls is not None, latency=picker.latency
+        instances,
+        config,
+        picker.ledger,
+        shared,
+        tls_on=tls is not None,
+        book=mesh.node_book,
+        prober=prober,
+        latency=picker.latency,
     )
     if config.relearn_s > 0:  # a (re)started coordinator waits for the agents' registrations rather than 503
         decider.relearn = RelearnWindow(config.relearn_s)
@@ -159,6 +170,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
     metrics.LATENCY.watch(picker.latency, lambda: [s.info.instance_id for s in instances.all()])
     metrics.TICKETS.watch(tickets)
+    app.on_stop(registry.close)
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
     app.on_stop(shared.close)
@@ -199,11 +211,14 @@ async def expire_silent(
     shared: SharedState | None = None,
     probe: Callable[[str], Awaitable[bool]] | None = None,
     probe_timeout_s: float = 1.0,
+    registry: RegistryService | None = None,
+    removal_s: float | None = None,
 ) -> None:
     """Marks instances silent for `ttl_s` unhealthy. Silent means no heartbeat from the agent and no answer of the
     engine itself: an instance whose agent has said nothing for half the lease is probed (`GET /health`), and one
     that answers keeps its health (and its shared lease) for another `ttl_s` (a frozen, restarting or partitioned
-    agent does not make its healthy engines unroutable; a dead node's engines do not answer and expire as before)."""
+    agent does not make its healthy engines unroutable; a dead node's engines do not answer and expire as before).
+    With `registry` and `removal_s`, instances silent that long are removed (their ids released)."""
     instances = picker.instances
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=probe_timeout_s)) as http:
         ask = probe or (lambda address: engine_answers(http, address))
@@ -224,6 +239,11 @@ async def expire_silent(
             if expired:
                 log.warning("instances silent, marked unhealthy", extra={"instances": expired})
                 publish_instance_counts(instances)
+            if registry is not None and removal_s is not None:
+                removed = registry.remove_silent(removal_s)
+                if removed:
+                    metrics.INSTANCES_REMOVED.inc(len(removed))
+                    log.warning("instances silent, removed", extra={"instances": removed})
 
 
 def apply_shared_scheduler(mesh: MeshView, picker: EndpointPicker, matcher, section: dict) -> bool:
@@ -271,7 +291,18 @@ async def run(
             tasks.append(asyncio.create_task(publish_scheduler(mesh, shared)))
         await c.shared.start(c.picker.instances)
         c.matcher.start()
-        tasks.append(asyncio.create_task(expire_silent(c.picker, mesh.coordinator.instance_ttl, c.shared)))
+        section = mesh.coordinator
+        tasks.append(
+            asyncio.create_task(
+                expire_silent(
+                    c.picker,
+                    section.instance_ttl,
+                    c.shared,
+                    registry=c.registry,
+                    removal_s=section.instance_removal,
+                )
+            )
+        )
         if c.pool is not None:
             tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))

@@ -7,8 +7,14 @@ aim a prefill engine at any address. The coordinator therefore accepts a callbac
 - `remote_host` is the host of the decode instance the coordinator chose for the attempt (both loopback counts
   as the same host), or one of `coordinator.callback_kv_hosts` (networks for deployments whose KV NIC differs
   from the HTTP address);
-- `remote_port` is a port number, and the blocks it announces fit the prompt (at most one block more than the
-  prompt fills).
+- `remote_port` is a port number, and the blocks it announces fit the prompt: per KV cache group at most one block
+  more than the prompt fills in blocks of the decode instance's registered `block_size` (the callback's own
+  `remote_block_size` and its group count are the caller's word, so neither widens the bound), and at most
+  `MAX_KV_GROUPS` groups.
+
+A handoff's prefill answer is checked the same way before its `kv_transfer_params` reach the decode engine
+(`handoff_params_problem`): its `remote_host` must be the prefill instance's registered host (or in
+`coordinator.callback_kv_hosts`), its `remote_port` a port number and its blocks must fit the prompt.
 """
 
 from __future__ import annotations
@@ -60,10 +66,33 @@ def block_count(remote_block_ids: Any) -> int:
     return sum(len(x) if isinstance(x, list) else 1 for x in remote_block_ids)
 
 
-def _block_size(value: Any, fallback: int) -> int:
-    if isinstance(value, list) and value:
-        value = value[0]
-    return int(value) if isinstance(value, int | float) and value >= 1 else max(fallback, 1)
+#: KV cache groups one request may announce blocks for (hybrid-attention models have a few: full and
+#: sliding-window attention, Mamba state); each group is bounded by the prompt on its own.
+MAX_KV_GROUPS = 4
+
+
+def blocks_problem(remote_block_ids: Any, prompt_tokens: int, block_size: int) -> str | None:
+    """Why the announced blocks cannot belong to a `prompt_tokens` prompt in blocks of the registered
+    `block_size`; None when they fit."""
+    ids = remote_block_ids
+    nested = isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
+    groups = ids if nested else [ids if isinstance(ids, list) else []]
+    if len(groups) > MAX_KV_GROUPS:
+        return f"{len(groups)} KV cache groups announced (at most {MAX_KV_GROUPS})"
+    per_group = math.ceil(prompt_tokens / max(block_size, 1)) + 1
+    blocks = max(len(g) for g in groups)
+    if blocks > per_group:
+        return (
+            f"{blocks} KV blocks announced for a {prompt_tokens}-token prompt in {block_size}-token blocks "
+            f"(at most {per_group} per group)"
+        )
+    return None
+
+
+def _port_problem(port: Any, lowest: int = 1) -> str | None:
+    if not isinstance(port, int) or isinstance(port, bool) or not lowest <= port < 65536:
+        return f"remote_port {port!r} is not a port number"
+    return None
 
 
 def callback_problem(
@@ -81,15 +110,28 @@ def callback_problem(
     host = str(facts.get("remote_host") or "")
     if not host_allowed(host, decode_host, networks):
         return f"remote_host {host!r} is not the host of the decode instance chosen for this request ({decode_host})"
-    port = facts.get("remote_port")
-    if not isinstance(port, int) or not 0 < port < 65536:
-        return f"remote_port {port!r} is not a port number"
-    size = _block_size(facts.get("remote_block_size"), block_size)
-    # Layer-wise groups repeat the block list per group; the bound is per group.
-    ids = facts.get("remote_block_ids")
-    groups = len(ids) if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids) else 1
-    limit = (math.ceil(prompt_tokens / size) + 1) * groups
-    blocks = block_count(ids)
-    if blocks > limit:
-        return f"{blocks} KV blocks announced for a {prompt_tokens}-token prompt (at most {limit})"
+    return _port_problem(facts.get("remote_port")) or blocks_problem(
+        facts.get("remote_block_ids"), prompt_tokens, block_size
+    )
+
+
+def handoff_params_problem(
+    params: dict[str, Any],
+    prefill_host: str,
+    prompt_tokens: int,
+    block_size: int,
+    networks: Sequence[str] = (),
+) -> str | None:
+    """Why a prefill engine's `kv_transfer_params` must not reach the decode engine (which connects to the
+    `remote_host:remote_port` they name and pulls the blocks they list); None when they may. Connectors that name
+    no host (or no blocks) are not checked for them."""
+    host = params.get("remote_host")
+    if host is not None and not (isinstance(host, str) and host_allowed(host, prefill_host, networks)):
+        return f"remote_host {host!r} is not the host of the prefill instance that answered ({prefill_host})"
+    if "remote_port" in params:
+        problem = _port_problem(params["remote_port"], lowest=0)  # vLLM answers 0 when it has no side channel
+        if problem is not None:
+            return problem
+    if "remote_block_ids" in params:
+        return blocks_problem(params["remote_block_ids"], prompt_tokens, block_size)
     return None

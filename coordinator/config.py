@@ -21,6 +21,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails
 
+from coordinator.admission import NodeBook
 from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, pd_joint, policy_types
 from coordinator.scheduling.params import parse_params
@@ -281,6 +282,22 @@ class CoordinatorConfig(BaseModel):
         """`instance_ttl_s`, or three heartbeat intervals."""
         return self.instance_ttl_s or 3 * self.heartbeat_interval_s
 
+    instance_removal_s: float | None = Field(default=None, gt=0)
+    """An instance whose agent has been silent this long is removed from the registry and its id released (another
+    registration may take it). Ten `instance_ttl`s when unset (60 s with the default heartbeats); with `etcd`, the
+    lease (`instance_ttl`) removes it from the shared store sooner."""
+
+    @property
+    def instance_removal(self) -> float:
+        """`instance_removal_s`, or ten `instance_ttl`s."""
+        return self.instance_removal_s or 10 * self.instance_ttl
+
+    probe_instances: bool = True
+    """A newly registered instance becomes routable only after it answers `GET /health` from the coordinator (the
+    agent's word is not enough: a compromised node could register addresses where nothing answers)."""
+    max_instances_per_node: int = Field(default=128, ge=1)
+    """Instances one node's agent may have registered at once (DP ranks count one each); more is refused with
+    RESOURCE_EXHAUSTED."""
     default_max_tokens: int = Field(default=16, gt=0)
     """Output tokens counted for a completions request without `max_tokens` (vLLM's default is 16)."""
     chat_default_max_tokens: int = Field(default=256, gt=0)
@@ -428,6 +445,11 @@ class MeshView(Protocol):
     @property
     def conductor_match_address(self) -> str:
         """Where the Match stream goes: the conductor, or Envoy's gRPC listener in front of its replicas."""
+        ...
+
+    @property
+    def node_book(self) -> NodeBook:
+        """What the file says about nodes: instance owners, node hosts, Envoy's listeners (`coordinator.admission`)."""
         ...
 
     def model_dump(self, *, mode: Any = ..., exclude: Any = ...) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from coordinator.instances import EngineLoad, Health, InstanceInfo, InstanceState
+from tandem.netaddr import split_host_port
 from tandem.v1 import admin_pb2, common_pb2
 
 ROLE_NAMES = {
@@ -41,6 +42,10 @@ def instance_from_proto(msg: common_pb2.Instance) -> InstanceInfo:
         raise ValueError("instance.model is required")
     if not msg.address:
         raise ValueError("instance.address is required")
+    try:
+        split_host_port(msg.address)
+    except ValueError as exc:
+        raise ValueError(f"instance.address: {exc}") from None
     if msg.role not in ROLE_NAMES:
         raise ValueError("instance.role must be set (ROLE_HYBRID, ROLE_PREFILL or ROLE_DECODE)")
     if msg.dispatch_capability not in DISPATCH_NAMES:
@@ -88,7 +93,8 @@ def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:
     iid = state.info.instance_id
     return admin_pb2.InstanceStatus(
         instance=instance_to_proto(state.info),
-        health=HEALTH_VALUES[state.health],
+        # Until it answers the coordinator's health probe an instance is starting, whatever its agent says.
+        health=HEALTH_VALUES[state.health if state.verified else Health.STARTING],
         load=common_pb2.InstanceLoad(
             running_requests=load.running,
             waiting_requests=load.waiting,

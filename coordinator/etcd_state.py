@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -70,15 +71,21 @@ class EtcdState:
 
     # --- what the gRPC services report ----------------------------------------------------------------------
 
-    def registered(self, info: InstanceInfo) -> None:
-        self.owned[info.instance_id] = InstancePut(info, Health.HEALTHY, EngineLoad())
+    def registered(self, info: InstanceInfo, verified: bool = True) -> None:
+        self.owned[info.instance_id] = InstancePut(info, Health.HEALTHY, EngineLoad(), verified)
         self._queue(self._key("instances", info.instance_id), "put", info.instance_id)
+
+    def verified(self, instance_id: str) -> None:
+        put = self.owned.get(instance_id)
+        if put is not None:
+            self.owned[instance_id] = dataclasses.replace(put, verified=True)
+            self._queue(self._key("instances", instance_id), "put", instance_id)
 
     def reported(self, instance_id: str, health: Health, load: EngineLoad) -> None:
         put = self.owned.get(instance_id)
         if put is None:
             return
-        self.owned[instance_id] = InstancePut(put.info, health, load)
+        self.owned[instance_id] = InstancePut(put.info, health, load, put.verified)
         self._queue(self._key("instances", instance_id), "put", instance_id)
 
     def deregistered(self, instance_id: str) -> None:

@@ -20,8 +20,11 @@ from typing import Any
 import aiohttp
 
 from coordinator import metrics
+from coordinator.callback_checks import handoff_params_problem
 from coordinator.errors import OpenAIError
+from coordinator.instances import InstanceInfo
 from coordinator.picker import EndpointPicker, Pick
+from tandem.netaddr import split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +62,11 @@ def decode_body(body: dict[str, Any], kv_transfer_params: Any) -> bytes:
 class HandoffRunner:
     """Sends prefill legs over one pooled HTTP client."""
 
-    def __init__(self, picker: EndpointPicker, timeout_s: float, attempts: int) -> None:
+    def __init__(
+        self, picker: EndpointPicker, timeout_s: float, attempts: int, kv_hosts: list[str] | None = None
+    ) -> None:
         self.picker = picker
+        self.kv_hosts = kv_hosts or []  # `coordinator.callback_kv_hosts`: KV NICs besides the HTTP address
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.attempts = attempts
         self._session: aiohttp.ClientSession | None = None
@@ -113,6 +119,8 @@ class HandoffRunner:
             needs_params = want_params and leg.instance.info.kv_connector not in STORAGE_CONNECTORS
             try:
                 params = await self.send(leg.instance.info.address, path, body, request_id, needs_params)
+                if want_params and isinstance(params, dict):
+                    self.check_params(params, leg.instance.info, pick.request.prompt_tokens)
             except PrefillFailed as exc:
                 last = f"{iid}: {exc}"
                 metrics.PREFILL_LEGS.labels("failed").inc()
@@ -126,6 +134,15 @@ class HandoffRunner:
             metrics.PREFILL_LEGS.labels("ok").inc()
             return params
         raise PrefillFailed(f"the prefill leg failed on {len(tried)} instance(s); last error: {last}")
+
+    def check_params(self, params: dict[str, Any], info: InstanceInfo, prompt_tokens: int) -> None:
+        """PrefillFailed when the answer's `kv_transfer_params` would send the decode engine elsewhere than the
+        prefill instance, or to more blocks than the prompt fills (`callback_checks.handoff_params_problem`)."""
+        host = split_host_port(info.address)[0]
+        problem = handoff_params_problem(params, host, prompt_tokens, info.block_size, self.kv_hosts)
+        if problem is not None:
+            metrics.PREFILL_LEGS.labels("refused").inc()
+            raise PrefillFailed(f"kv_transfer_params refused: {problem}")
 
     async def run(self, pick: Pick, path: str) -> bytes:
         """Handoff: runs the prefill leg (with retries); returns the body for the decode engine, or 503."""

@@ -42,6 +42,9 @@ class InstanceState:
     health: Health = Health.HEALTHY
     load: EngineLoad = field(default_factory=EngineLoad)
     drained: bool = False
+    #: False until the instance answered the coordinator's health probe (`coordinator.probe_instances`): a new
+    #: registration is not routable on the agent's word alone.
+    verified: bool = True
     registered_at: float = field(default_factory=time.time)
     last_heartbeat_at: float = field(default_factory=time.time)
     vouched_at: float = (
@@ -55,8 +58,8 @@ class InstanceState:
 
     @property
     def routable(self) -> bool:
-        """Healthy and not drained: may receive new requests."""
-        return self.health is Health.HEALTHY and not self.drained
+        """Healthy, answered its probe and not drained: may receive new requests."""
+        return self.health is Health.HEALTHY and self.verified and not self.drained
 
 
 class InstanceTable:
@@ -68,12 +71,13 @@ class InstanceTable:
         self._by_model: dict[str, list[InstanceState]] = {}
         self.known_models: set[str] = set(configured_models)
 
-    def register(self, info: InstanceInfo) -> InstanceState:
-        """Adds `info`, replacing an instance with the same id (keeping its drain flag)."""
+    def register(self, info: InstanceInfo, verified: bool = True) -> InstanceState:
+        """Adds `info`, replacing an instance with the same id (keeping its drain flag); `verified=False` keeps it
+        unroutable until it is marked verified."""
         old = self._by_id.pop(info.instance_id, None)
         if old is not None:
             self._unindex(old)
-        state = InstanceState(info=info, drained=old.drained if old else False)
+        state = InstanceState(info=info, drained=old.drained if old else False, verified=verified)
         self._by_id[info.instance_id] = state
         self._by_model.setdefault(info.model, []).append(state)
         self.known_models.add(info.model)
@@ -90,6 +94,12 @@ class InstanceTable:
         peers = self._by_model.get(state.info.model, [])
         if state in peers:
             peers.remove(state)
+
+    def count_node(self, node_id: str, besides: str = "") -> int:
+        """Instances registered for `node_id`, not counting the id `besides`."""
+        return sum(
+            1 for s in self._by_id.values() if s.info.node_id == node_id and s.info.instance_id != besides
+        )
 
     def get(self, instance_id: str) -> InstanceState | None:
         """The instance with this id, or None."""
@@ -147,3 +157,8 @@ class InstanceTable:
                 state.health = Health.UNHEALTHY
                 expired.append(state.info.instance_id)
         return expired
+
+    def silent(self, max_silence_s: float, now: float | None = None) -> list[str]:
+        """Ids of instances without a heartbeat (or registration) for longer than `max_silence_s`."""
+        now = time.time() if now is None else now
+        return [iid for iid, s in self._by_id.items() if now - s.last_heartbeat_at > max_silence_s]

@@ -21,6 +21,15 @@ DECISION_SECONDS = Histogram(
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05),
 )
 INSTANCES = Gauge("tandem_coordinator_instances", "Registered instances by health", ["health"])
+REGISTRATIONS_REFUSED = Counter(
+    "tandem_coordinator_registrations_refused",
+    "Instance registrations refused (foreign id or host, over the per-node cap, Envoy's own address)",
+    ["code"],
+)
+INSTANCES_REMOVED = Counter(
+    "tandem_coordinator_silent_instances_removed",
+    "Instances removed from the registry because their agent stayed silent (coordinator.instance_removal_s)",
+)
 MATCH_FALLBACKS = Counter(
     "tandem_coordinator_match_fallbacks",
     "Requests scored on load alone because the conductor could not answer",

@@ -13,11 +13,13 @@ import yaml
 from google.protobuf.duration_pb2 import Duration
 
 from coordinator import metrics
+from coordinator.admission import NodeBook, registration_refusal
 from coordinator.attempts import PrefillLegFailed, UnknownAttempt
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
 from coordinator.decision import RequestCounters
-from coordinator.instances import Health, InstanceTable
+from coordinator.instance_probe import HealthProber
+from coordinator.instances import Health, InstanceState, InstanceTable
 from coordinator.latency import LatencyBook
 from coordinator.ownership import ownership_problem
 from coordinator.picker import EndpointPicker
@@ -43,15 +45,16 @@ log = logging.getLogger(__name__)
 def publish_instance_counts(instances: InstanceTable) -> None:
     """Refreshes the instances-by-health gauge."""
     counts = {h: 0 for h in Health}
-    for state in instances.all():
-        counts[state.health] += 1
+    for state in instances.all():  # an instance not yet answering its probe counts as starting
+        counts[state.health if state.verified else Health.STARTING] += 1
     for health, count in counts.items():
         metrics.INSTANCES.labels(health.name.lower()).set(count)
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
     """Node agents register instances and report their health and load; with TLS, each agent only its own
-    node's instances (`coordinator.ownership`)."""
+    node's instances, at its own hosts, up to a cap (`coordinator.ownership`, `coordinator.admission`). With a
+    `prober`, a new instance is routable only once it answered its health probe."""
 
     def __init__(
         self,
@@ -60,6 +63,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         ledger: WorkloadLedger | None = None,
         shared: SharedState | None = None,
         tls_on: bool = False,
+        book: NodeBook | None = None,
+        prober: HealthProber | None = None,
         latency: LatencyBook | None = None,
     ) -> None:
         self.instances = instances
@@ -68,6 +73,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self.latency = latency  # learns each instance's step costs from what the ledger saw done
         self.shared = shared or LocalState()  # where other replicas learn what this one hears
         self.tls_on = tls_on
+        self.book = book or NodeBook()
+        self.prober = prober
+        self._probes: dict[str, asyncio.Task] = {}  # instance id -> its probe loop, until it answers
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
         self.on_registered: Callable[[], None] | None = (
             None  # e.g. wakes decisions waiting in the relearn window
@@ -92,20 +100,47 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await self._check_owner(context, "Register", info.instance_id, info.node_id)
-        node = agent_node(caller_var.get())
+        node = agent_node(caller_var.get()) if self.tls_on else None
         if node is not None and not info.node_id:  # the certificate says which node registers it
             info = dataclasses.replace(info, node_id=node)
-        self.instances.register(info)
+        refusal = registration_refusal(
+            self.book,
+            node,
+            info,
+            self._owner(info.instance_id),
+            self.instances.count_node(node, besides=info.instance_id) if node else 0,
+            self.config.max_instances_per_node,
+        )
+        if refusal is not None:
+            metrics.REGISTRATIONS_REFUSED.labels(refusal.code.name.lower()).inc()
+            if refusal.code is grpc.StatusCode.PERMISSION_DENIED:
+                refuse("/tandem.v1.Registry/Register", caller_var.get())
+            log.warning(
+                "registration refused", extra={"instance": info.instance_id, "error": refusal.message}
+            )
+            await context.abort(refusal.code, refusal.message)
+        old = self.instances.get(info.instance_id)
+        # The same engine registering again (an agent restart) stays routable; anything new is probed first.
+        verified = self.prober is None or (old is not None and old.verified and old.info == info)
+        state = self.instances.register(info, verified=verified)
         if self.ledger is not None:
             # A (re)started engine or a restarted agent: the next report of its counters is a new baseline.
             self.ledger.forget_progress(info.instance_id)
             self.ledger.set_prefill_rate(info.instance_id, self.config.scheduler.prefill_rate_tokens_per_s)
-        self.shared.registered(info)
+        self.shared.registered(info, verified)
+        if not verified:
+            self._start_probe(state)
         if self.on_registered is not None:
             self.on_registered()
         publish_instance_counts(self.instances)
         log.info(
-            "registered", extra={"instance": info.instance_id, "model": info.model, "address": info.address}
+            "registered",
+            extra={
+                "instance": info.instance_id,
+                "model": info.model,
+                "address": info.address,
+                "verified": verified,
+            },
         )
         interval = Duration()
         interval.FromMilliseconds(int(self.config.heartbeat_interval_s * 1000))
@@ -138,13 +173,61 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self, request: registry_pb2.DeregisterRequest, context
     ) -> registry_pb2.DeregisterResponse:
         await self._check_owner(context, "Deregister", request.instance_id)
-        state = self.instances.deregister(request.instance_id)
-        if self.latency is not None:
-            self.latency.forget(request.instance_id)
-        self.shared.deregistered(request.instance_id)
-        publish_instance_counts(self.instances)
+        state = self.remove(request.instance_id)
         log.info("deregistered", extra={"instance": request.instance_id, "reason": request.reason})
         return registry_pb2.DeregisterResponse(found=state is not None)
+
+    def remove(self, instance_id: str) -> InstanceState | None:
+        """Takes an instance out of the registry (and the shared store), releasing its id."""
+        state = self.instances.deregister(instance_id)
+        if self.latency is not None:
+            self.latency.forget(instance_id)
+        probe = self._probes.pop(instance_id, None)
+        if probe is not None:
+            probe.cancel()
+        self.shared.deregistered(instance_id)
+        publish_instance_counts(self.instances)
+        return state
+
+    def remove_silent(self, max_silence_s: float) -> list[str]:
+        """Removes the instances whose agent has been silent for longer than `max_silence_s`; returns their ids."""
+        silent = self.instances.silent(max_silence_s)
+        for instance_id in silent:
+            self.remove(instance_id)
+        return silent
+
+    def _start_probe(self, state: InstanceState) -> None:
+        iid = state.info.instance_id
+        old = self._probes.pop(iid, None)
+        if old is not None:
+            old.cancel()
+        self._probes[iid] = asyncio.create_task(self._probe(state), name=f"probe-{iid}")
+
+    async def _probe(self, state: InstanceState) -> None:
+        """Probes until the instance answers (then it is routable) or leaves the table (then the loop ends)."""
+        assert self.prober is not None
+        iid = state.info.instance_id
+        try:
+            while self.instances.get(iid) is state:
+                if await self.prober.answers(state.info.address):
+                    if self.instances.get(iid) is state:
+                        state.verified = True
+                        self.shared.verified(iid)
+                        publish_instance_counts(self.instances)
+                        log.info("instance answered its probe", extra={"instance": iid})
+                    return
+                await asyncio.sleep(self.prober.interval_s)
+        finally:
+            if self._probes.get(iid) is asyncio.current_task():
+                del self._probes[iid]
+
+    async def close(self) -> None:
+        """Stops the probes in flight."""
+        for task in list(self._probes.values()):
+            task.cancel()
+        self._probes.clear()
+        if self.prober is not None:
+            await self.prober.close()
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

@@ -28,6 +28,8 @@ class InstancePut:
     info: InstanceInfo
     health: Health
     load: EngineLoad
+    #: The replica that registered it saw it answer its health probe (unverified instances are not routable).
+    verified: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ def apply_change(table: InstanceTable, change: Change, drained: set[str]) -> Non
         state = table.get(change.info.instance_id)
         if state is None or state.info != change.info:
             state = table.register(change.info)
+        state.verified = change.verified
         state.drained = change.info.instance_id in drained
         table.heartbeat(change.info.instance_id, change.health, change.load)
     elif isinstance(change, InstanceGone):
@@ -75,6 +78,7 @@ def encode_instance(put: InstancePut) -> bytes:
             "info": dataclasses.asdict(put.info),
             "health": put.health.name,
             "load": dataclasses.asdict(put.load),
+            "verified": put.verified,
         },
         separators=(",", ":"),
     ).encode()
@@ -87,7 +91,7 @@ def decode_instance(value: bytes) -> InstancePut:
         info = InstanceInfo(**data["info"])
         known = {f.name for f in dataclasses.fields(EngineLoad)}
         load = EngineLoad(**{k: v for k, v in data.get("load", {}).items() if k in known})
-        return InstancePut(info, Health[data["health"]], load)
+        return InstancePut(info, Health[data["health"]], load, bool(data.get("verified", True)))
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not an instance record: {exc}") from None
 
@@ -98,7 +102,10 @@ class SharedState(Protocol):
     async def start(self, table: InstanceTable) -> None:
         """Loads what the store knows into `table` and follows its changes."""
 
-    def registered(self, info: InstanceInfo) -> None: ...
+    def registered(self, info: InstanceInfo, verified: bool = True) -> None: ...
+
+    def verified(self, instance_id: str) -> None:
+        """The instance answered its health probe."""
 
     def reported(self, instance_id: str, health: Health, load: EngineLoad) -> None: ...
 
@@ -115,7 +122,10 @@ class LocalState:
     async def start(self, table: InstanceTable) -> None:
         pass
 
-    def registered(self, info: InstanceInfo) -> None:
+    def registered(self, info: InstanceInfo, verified: bool = True) -> None:
+        pass
+
+    def verified(self, instance_id: str) -> None:
         pass
 
     def reported(self, instance_id: str, health: Health, load: EngineLoad) -> None:

@@ -228,7 +228,7 @@ def _conductor(
     from tandem.process import run_component
     from tandem.tls import TlsFiles
 
-    def load() -> tuple[ConductorConfig, TlsFiles | None]:
+    def load() -> tuple[ConductorConfig, TlsFiles | None, dict[str, frozenset[str]]]:
         mesh = load_mesh_config(path) if path else parse_mesh_config({}, "<defaults>")
         tls = component_tls(mesh, "conductor", certs)
         config = mesh.conductor
@@ -240,7 +240,7 @@ def _conductor(
         overrides = {k: v for k, v in (("listen", listen), ("metrics_listen", metrics_listen)) if v}
         if overrides:
             config = validate(ConductorConfig, {**config.model_dump(), **overrides}, "command line")
-        return config, tls
+        return config, tls, dict(mesh.node_book.owners)  # who may send KV events for which instance
 
     return run_component("conductor", load, lambda loaded: run(*loaded))
 

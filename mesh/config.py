@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conductor.config import ConductorConfig
+from coordinator.admission import NodeBook
 from coordinator.config import CoordinatorConfig, PdMode
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
@@ -108,6 +109,9 @@ class SecurityConfig(BaseModel):
     """Where the CA and component certificates are (`tandem certs --dir`). Unset: `tandem up` creates them in
     `<run-dir>/certs`; a component started alone (`tandem coordinator ...`) needs it, or `--certs-dir`. A relative
     path is relative to the mesh file."""
+    revoked_nodes: list[str] = []
+    """Nodes removed from the mesh whose agent certificates (`spiffe://tandem/agent/<node_id>`) every server and
+    Envoy's control listener refuse, although the mesh CA signed them (docs/security.md, "Removing a node")."""
 
 
 class RestartPolicy(BaseModel):
@@ -183,6 +187,16 @@ class MeshConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _revoked_nodes_are_gone(self) -> MeshConfig:
+        for agent in self.node_agents:
+            if agent.node_id in self.security.revoked_nodes:
+                raise ValueError(
+                    f"security.revoked_nodes: node {agent.node_id!r} is revoked but still in node_agents; "
+                    "remove its entry"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _metaserver_reachable(self) -> MeshConfig:
         if self.coordinator.metaserver_address is None and is_wildcard(
             split_host_port(self.envoy.callback_listen)[0]
@@ -241,6 +255,38 @@ class MeshConfig(BaseModel):
         if self.coordinator.replicas > 1:
             return self.control_address
         return self.coordinator.replica_endpoints[0]
+
+    @property
+    def node_book(self) -> NodeBook:
+        """What the coordinator's Registry checks registrations against: which node owns which instance id, the
+        hosts of each node, Envoy's own listeners (`coordinator.admission`)."""
+        owners: dict[str, set[str]] = {}
+        hosts: dict[str, set[str]] = {}
+        for agent in self.node_agents:
+            node_hosts = hosts.setdefault(agent.node_id, set(agent.hosts))
+            listen = split_host_port(agent.listen)[0]
+            if not is_wildcard(listen):
+                node_hosts.add(listen)
+            for engine in agent.engines:
+                node_hosts.add(engine.host)
+                ids = [engine.instance_id]
+                if engine.data_parallel_size > 1 and engine.data_parallel_mode == "external":
+                    start = engine.data_parallel_start_rank
+                    ids += [f"{engine.instance_id}-dp{r}" for r in range(start, start + engine.local_dp_size)]
+                for iid in ids:
+                    owners.setdefault(iid, set()).add(agent.node_id)
+        envoy = [
+            self.envoy.http_listen,
+            self.envoy.grpc_listen,
+            self.envoy.callback_listen,
+            self.envoy.admin_listen,
+        ]
+        envoy += [a for a in (self.envoy.grpc_address, self.coordinator.metaserver_address) if a]
+        return NodeBook(
+            owners={k: frozenset(v) for k, v in owners.items()},
+            hosts={k: frozenset(v) for k, v in hosts.items()},
+            envoy_addresses=tuple(envoy),
+        )
 
     def node_agent(self, node_id: str | None) -> NodeAgentConfig:
         """The agent section for `node_id`; the only one when `node_id` is None."""

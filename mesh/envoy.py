@@ -199,6 +199,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         grpc_agents=[(f"agent_{node_id}", address, f"agent/{node_id}") for node_id, address in agents],
         tls=tls,
         control_rbac=CONTROL_ACCESS,
+        revoked_roles=[f"agent/{node}" for node in mesh.security.revoked_nodes],
         coordinator_services=COORDINATOR_SERVICES,
         identity_prefix=tandem_tls.PREFIX,
         listener_header=tandem_tls.LISTENER_HEADER,

@@ -3,6 +3,7 @@ component its `tandem.tls.TlsFiles` (None when the mesh file says `security.inse
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -32,9 +33,13 @@ def certs_dir(mesh: MeshConfig, override: str | None = None) -> Path | None:
 
 
 def component_tls(mesh: MeshConfig, role: str, override: str | None = None) -> TlsFiles | None:
-    """The files of `role` (`coordinator`, `agent/<node_id>`, ...), checked to exist; None in insecure mode."""
+    """The files of `role` (`coordinator`, `agent/<node_id>`, ...), checked to exist, with the roles its servers
+    refuse (`security.revoked_nodes`); None in insecure mode."""
     directory = certs_dir(mesh, override)
-    return None if directory is None else TlsFiles.for_role(directory, role)
+    if directory is None:
+        return None
+    revoked = frozenset(f"agent/{node}" for node in mesh.security.revoked_nodes)
+    return dataclasses.replace(TlsFiles.for_role(directory, role), revoked=revoked)
 
 
 def engine_tls_env(mesh: MeshConfig, override: str | None = None, into: Path | None = None) -> dict[str, str]:

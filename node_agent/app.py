@@ -59,11 +59,18 @@ class NodeAgent:
         for service in self.services:
             for sup in service.supervisors:
                 self.supervisors[sup.name] = sup
-                sup.on_load = self.link.load_reported
+                sup.on_load = self._load_reported
                 if engine_env and sup.engine is not None:  # e.g. the CA bundle for callbacks over HTTPS
                     sup.spec = dataclasses.replace(sup.spec, env={**engine_env, **sup.spec.env})
         self._relayed: set[str] = set()
         self._tasks: list[asyncio.Task] = []
+
+    def _load_reported(self, sup: EngineSupervisor) -> None:
+        """After each scrape: the load to the coordinator, the KV capacity to the relays (the conductor's bound)."""
+        self.link.load_reported(sup)
+        if sup.load.kv_blocks:
+            for relay in self.relays:
+                relay.capacity[sup.spec.events_instance or sup.name] = sup.load.kv_blocks
 
     def _engine_supervisors(self) -> list[EngineSupervisor]:
         return [s for s in self.supervisors.values() if s.registrable]

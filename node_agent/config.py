@@ -338,6 +338,9 @@ class NodeAgentConfig(BaseModel):
     """The KV store service (required when `services` names `kv_store`)."""
     engines: list[EngineConfig] = []
     """The engines of this node."""
+    hosts: list[str] = []
+    """Further hosts (addresses or names) this node's instances may be registered at, besides its engines' `host`
+    and its `listen` host: the coordinator refuses a registration of this node at any other host."""
 
     @field_validator("services")
     @classmethod

@@ -98,6 +98,9 @@ class KvEventRelay:
         self.dropped = 0  # batches or messages dropped on a full queue
         self.decode_errors = 0
         self.replays = 0
+        self.capacity: dict[
+            str, int
+        ] = {}  # instance id -> KV blocks per rank, as its engine last reported them
 
     # -- sources --------------------------------------------------------------------------------------------------
 
@@ -278,7 +281,10 @@ class KvEventRelay:
     ) -> conductor_pb2.IngestRequest | None:
         try:
             batch = decode_batch(payload)
-            pb = batch_to_pb(batch, src.instance_id, src.dp_rank, seq, src.model, src.block_size, replayed)
+            pb = batch_to_pb(
+                batch, src.instance_id, src.dp_rank, seq, src.model, src.block_size, replayed,
+                self.capacity.get(src.instance_id, 0),
+            )  # fmt: skip
         except (KvEventDecodeError, OverflowError, TypeError, ValueError) as exc:
             # the batch is skipped: the conductor sees the sequence gap, and clears the rank if a replay fails too
             self.decode_errors += 1

@@ -8,7 +8,8 @@ A component declares which roles may call which of its methods; anything it does
         "/tandem.v1.Conductor/GetIndexStats": ("operator", "coordinator"),   # one method
     }
 
-The longest matching key wins. Health is open to every mesh identity and reflection to the operator (`BASE_RULES`).
+The longest matching key wins. Roles in the interceptor's `revoked` set (`security.revoked_nodes`) are refused
+whatever the rules say. Health is open to every mesh identity and reflection to the operator (`BASE_RULES`).
 The interceptor answers a refused call with PERMISSION_DENIED naming the method and the caller, counts it in
 `tandem_authz_denied_total`, and otherwise runs the handler with `tandem.tls.caller_var` set, for the checks that
 depend on the request (a node agent may only register its own node's instances).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 import grpc
 from prometheus_client import Counter
@@ -87,8 +88,9 @@ def refuse(method: str, role: str | None) -> str:
 class AuthzInterceptor(grpc.aio.ServerInterceptor):
     """Checks each call's caller against `rules` before its handler runs."""
 
-    def __init__(self, rules: Rules) -> None:
+    def __init__(self, rules: Rules, revoked: Collection[str] = ()) -> None:
         self.rules = {**BASE_RULES, **rules}
+        self.revoked = frozenset(revoked)  # roles refused whatever the rules say (revoked certificates)
         # method -> (the service's handler, its guarded wrapper): built once per method, not per call.
         self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
@@ -104,16 +106,21 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):
         cached = self._guarded.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        guarded = _guarded(handler, method, self.rules)
+        guarded = _guarded(handler, method, self.rules, self.revoked)
         self._guarded[method] = (handler, guarded)
         return guarded
 
 
-def _guarded(handler: grpc.RpcMethodHandler, method: str, rules: Rules) -> grpc.RpcMethodHandler:
+def _guarded(
+    handler: grpc.RpcMethodHandler, method: str, rules: Rules, revoked: frozenset[str] = frozenset()
+) -> grpc.RpcMethodHandler:
     allowed = allowed_roles(rules, method)
 
     async def authorize(context: grpc.aio.ServicerContext) -> None:
         role = tls.context_caller_role(context)
+        if role is not None and role in revoked:
+            message = refuse(method, role) + " (its certificate is revoked: security.revoked_nodes)"
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
         if role is None or not any(role_matches(p, role) for p in allowed):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refuse(method, role))
         tls.caller_var.set(role)

@@ -20,6 +20,9 @@ class EngineLoad:
     #: Per DP rank (vLLM's `engine` label), the cumulative (`vllm:prompt_tokens_total`,
     #: `vllm:generation_tokens_total`); empty when the engine exposes neither.
     progress: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: KV blocks one rank can hold (`num_gpu_blocks` + `num_cpu_blocks` of `vllm:cache_config_info`, the largest
+    #: over ranks); 0 when the engine does not say.
+    kv_blocks: int = 0
 
 
 def parse_load(text: str) -> EngineLoad:
@@ -42,6 +45,9 @@ def parse_load(text: str) -> EngineLoad:
                 load.waiting += int(sample.value)
             elif sample.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                 usage.append(sample.value)
+            elif name == "vllm:cache_config_info":
+                blocks = sum(_count(sample.labels.get(k)) for k in ("num_gpu_blocks", "num_cpu_blocks"))
+                load.kv_blocks = max(load.kv_blocks, blocks)
     load.kv_cache_usage = max(usage) if usage else 0.0
     load.progress = {
         r: (prompt.get(r, 0), generation.get(r, 0)) for r in sorted(prompt.keys() | generation.keys())
@@ -50,6 +56,14 @@ def parse_load(text: str) -> EngineLoad:
 
 
 _COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+def _count(label: str | None) -> int:
+    """A block count label ("None" or absent: 0)."""
+    try:
+        return max(0, int(label or 0))
+    except ValueError:
+        return 0
 
 
 def _rank(label: str) -> int:

@@ -51,7 +51,7 @@ class GrpcApp:
         self.metrics_listen = metrics_listen
         self.grace = grace
         self.tls = tls
-        interceptors = [AuthzInterceptor(rules or {})] if tls is not None else []
+        interceptors = [AuthzInterceptor(rules or {}, tls.revoked)] if tls is not None else []
         self.server = grpc.aio.server(
             options=options or [("grpc.so_reuseport", 0)], interceptors=interceptors
         )

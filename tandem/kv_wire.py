@@ -79,6 +79,7 @@ def batch_to_pb(
     model: str,
     block_size: int,
     replayed: bool,
+    capacity_blocks: int = 0,
 ) -> conductor_pb2.KvEventBatch:
     """A decoded engine batch as a `KvEventBatch` message."""
     msg = conductor_pb2.KvEventBatch(
@@ -89,6 +90,7 @@ def batch_to_pb(
         block_size=block_size,
         events=[event_to_pb(e) for e in batch.events],
         replayed=replayed,
+        capacity_blocks=capacity_blocks,
     )
     if batch.ts > 0:
         msg.engine_time.FromNanoseconds(int(batch.ts * 1e9))

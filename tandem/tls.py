@@ -76,6 +76,9 @@ class TlsFiles:
     ca: Path
     cert: Path
     key: Path
+    #: Roles refused on every server this process runs, whatever their certificate (`security.revoked_nodes`: a
+    #: removed node's agent certificate is still signed by the mesh CA until it expires).
+    revoked: frozenset[str] = frozenset()
 
     @classmethod
     def for_role(cls, directory: str | Path, role: str) -> TlsFiles:

@@ -15,7 +15,7 @@ PARAMS = {
     "do_remote_prefill": True,
     "remote_block_ids": [[1, 2]],
     "remote_engine_id": "p",
-    "remote_host": "h",
+    "remote_host": "127.0.0.1",  # the prefill engine's own host (the coordinator checks it)
     "remote_port": 1,
     "tp_size": 1,
     "remote_request_id": "x",
@@ -136,3 +136,19 @@ async def test_storage_connectors_need_no_kv_transfer_params(servers):
     decode = json.loads(await runner.run(await example.decide("completions", body, "r2"), "/v1/completions"))
     await runner.close()
     assert decode == {"model": "m", "prompt": "hello"} and seen[-1][1]["max_tokens"] == 1
+
+
+async def test_prefill_params_naming_another_host_never_reach_the_decode_engine(servers):
+    """A rogue prefill engine's answer aims the decode engine at another address: the leg counts as failed (and
+    is retried elsewhere), so the decode engine never connects there."""
+    seen = []
+    rogue = await fake_prefill(servers, 200, seen, params={**PARAMS, "remote_host": "10.9.9.9"})
+    picker = pd_picker([rogue])
+    decision = await picker.decide("completions", json.dumps({"model": "m", "prompt": "hello"}).encode(), "r")
+    runner = HandoffRunner(picker, 5.0, attempts=1)
+    with pytest.raises(OpenAIError) as info:
+        await runner.run(decision, "/v1/completions")
+    await runner.close()
+    assert info.value.status == 503 and "remote_host '10.9.9.9'" in info.value.message and len(seen) == 1
+    picker.release(decision.target)
+    assert picker.ledger.total_requests == 0

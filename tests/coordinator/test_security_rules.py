@@ -6,7 +6,13 @@ import pytest
 
 from coordinator.api_keys import ApiKeys, parse_keys
 from coordinator.attempts import AttemptRegistry
-from coordinator.callback_checks import block_count, callback_problem, host_allowed, mint_token
+from coordinator.callback_checks import (
+    block_count,
+    callback_problem,
+    handoff_params_problem,
+    host_allowed,
+    mint_token,
+)
 from coordinator.errors import OpenAIError
 from coordinator.limits import (
     RequestLimits,
@@ -260,3 +266,36 @@ def test_prompts_far_beyond_the_context_are_refused_before_tokenizing():
     check_prompt_size("completions", {"prompt": "x" * 10**6}, None, limits, "m")  # no context known
     with pytest.raises(OpenAIError, match="max_model_len"):
         check_prompt_size("completions", {"prompt": "x" * 401}, 100, limits, "m")
+
+
+# -- KV block bounds from what the mesh knows (issue 23) -----------------------------------------------------------
+
+
+def test_the_block_bound_ignores_the_callers_block_size_and_caps_groups():
+    """A rogue decode engine announcing 1-token blocks (16x the blocks of a 16-token block size) or a dozen groups
+    (12x) made the prefill engine push that much more; the bound now uses the registered block size."""
+    token = mint_token()
+    tiny = {**FACTS, "remote_block_ids": [list(range(40))], "remote_block_size": [1]}
+    assert "40 KV blocks" in callback_problem(token, token, tiny, "10.0.0.5", 40, 16)
+    groups = {**FACTS, "remote_block_ids": [[1, 2, 3]] * 12}
+    assert "12 KV cache groups" in callback_problem(token, token, groups, "10.0.0.5", 40, 16)
+    two = {**FACTS, "remote_block_ids": [[1, 2, 3], [4, 5, 6]]}  # full and sliding-window attention
+    assert callback_problem(token, token, two, "10.0.0.5", 40, 16) is None
+
+
+def test_handoff_params_must_name_the_prefill_instance():
+    params = {"remote_host": "10.0.0.7", "remote_port": 5600, "remote_block_ids": [[1, 2, 3]]}
+    assert handoff_params_problem(params, "10.0.0.7", 40, 16) is None
+    assert handoff_params_problem({**params, "remote_port": 0}, "10.0.0.7", 40, 16) is None  # vLLM's "none"
+    assert "remote_host '10.9.9.9'" in handoff_params_problem(
+        {**params, "remote_host": "10.9.9.9"}, "10.0.0.7", 40, 16
+    )
+    assert (
+        handoff_params_problem({**params, "remote_host": "10.9.9.9"}, "10.0.0.7", 40, 16, ["10.9.0.0/16"])
+        is None
+    )
+    assert "port" in handoff_params_problem({**params, "remote_port": "x"}, "10.0.0.7", 40, 16)
+    assert "KV blocks" in handoff_params_problem(
+        {**params, "remote_block_ids": [list(range(99))]}, "10.0.0.7", 40, 16
+    )
+    assert handoff_params_problem({"do_remote_prefill": True}, "10.0.0.7", 40, 16) is None  # names nothing

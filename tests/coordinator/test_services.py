@@ -32,6 +32,9 @@ async def channel(monkeypatch):
     monkeypatch.setenv("TANDEM_NO_BANNER", "1")
     config = mesh_config(engines=1)
     config["node_agents"] = []
+    # The instances below are addresses where nothing answers: routable without the health probe
+    # (tests/coordinator/test_admission.py has the probe's own tests).
+    config["coordinator"]["probe_instances"] = False
     coordinator = build(parse_mesh_config(config, "mesh.yaml"))
     await coordinator.app.start()
     async with grpc.aio.insecure_channel(config["coordinator"]["listen"]) as ch:

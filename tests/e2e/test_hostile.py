@@ -31,7 +31,7 @@ from tandem.v1 import (
     registry_pb2,
     registry_pb2_grpc,
 )
-from tests.helpers import RunningMesh, mesh_config, metric_sum, wait_until
+from tests.helpers import RunningMesh, free_port, mesh_config, metric_sum, wait_until
 
 API_KEY = "sk-hostile-suite-key"
 PROMPT = " ".join(f"token{i}" for i in range(64))
@@ -51,6 +51,8 @@ def hostile_config(workdir) -> dict:
     config["coordinator"]["limits"] = {"max_tokens": 4096, "max_n": 4}
     config["models"][0]["max_model_len"] = 8192
     config["envoy"]["request_headers_timeout_s"] = 1.0
+    config["coordinator"]["max_instances_per_node"] = 8
+    config.setdefault("security", {})["revoked_nodes"] = ["n-removed"]
     return config
 
 
@@ -109,6 +111,55 @@ def instance(iid: str, node: str = "n1", port: int = 1) -> common_pb2.Instance:
     )
 
 
+def wait_routable(mesh, iid: str) -> None:
+    """Waits until the coordinator probed `iid` (a new instance is routable only once it answers /health)."""
+
+    def healthy() -> bool:
+        listed = mesh.admin().ListInstances(admin_pb2.ListInstancesRequest(), timeout=5).instances
+        return any(i.instance.instance_id == iid and i.health == common_pb2.HEALTH_HEALTHY for i in listed)
+
+    wait_until(healthy, 10, f"{iid} answered the coordinator's probe")
+
+
+def test_a_fake_instance_flood_with_an_agent_certificate_is_not_routed_and_capped(mesh):
+    """The issue's flood: n1's own agent certificate registers instances at an address where nothing answers, and
+    at Envoy's own port. None is routable (they never answer the coordinator's probe), past the per-node cap every
+    registration is refused, Envoy's address is refused outright, and user requests all succeed meanwhile."""
+    agent = extra_identity(mesh, "agent/n1")
+    dead = free_port()
+    with tls.channel(mesh.grpc_address, agent, "coordinator") as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        codes = []
+        for i in range(20):
+            codes.append(
+                code_and_details(
+                    lambda i=i: stub.Register(
+                        registry_pb2.RegisterRequest(instance=instance(f"flood-{i}", "n1", dead)), timeout=5
+                    )
+                )[0]
+            )
+        loop = instance("loop-0", "n1", split_host_port(mesh.http.removeprefix("http://"))[1])
+        code, details = code_and_details(
+            lambda: stub.Register(registry_pb2.RegisterRequest(instance=loop), timeout=5)
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "Envoy's own listener" in details
+        try:
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+            listed = mesh.admin().ListInstances(admin_pb2.ListInstancesRequest(), timeout=5).instances
+            assert sum(i.instance.node_id == "n1" for i in listed) <= 8
+            flood = [i for i in listed if i.instance.instance_id.startswith("flood-")]
+            assert flood and all(i.health == common_pb2.HEALTH_STARTING for i in flood)
+            replies = [complete(mesh) for _ in range(10)]
+            assert [r.status_code for r in replies] == [200] * 10
+        finally:
+            for i in range(20):
+                code_and_details(
+                    lambda i=i: stub.Deregister(
+                        registry_pb2.DeregisterRequest(instance_id=f"flood-{i}"), timeout=5
+                    )
+                )
+
+
 # -- the control listener: no certificate, wrong CA, wrong identity ---------------------------------------------------
 
 
@@ -125,6 +176,80 @@ def test_no_certificate_cannot_even_connect(mesh):
                 )
             )
         assert code == grpc.StatusCode.UNAVAILABLE, address
+
+
+def test_another_nodes_agent_cannot_send_kv_events_or_instance_gone_for_n1s_instances(mesh):
+    """An agent certificate of node n2 streams `InstanceGone` and invented KV blocks for n1's instances to the
+    conductor (directly and through Envoy): every message is dropped and counted; n1's entries stay."""
+    from tandem.v1 import conductor_pb2, conductor_pb2_grpc
+
+    assert complete(mesh).status_code == 200  # n1's engines have indexed something
+    address = mesh.config["conductor"]["listen"]
+    metrics = mesh.config["conductor"]["metrics_listen"]
+    with mesh.channel() as channel:
+        stats = conductor_pb2_grpc.ConductorStub(channel).GetIndexStats
+        entries = wait_until(
+            lambda: stats(conductor_pb2.GetIndexStatsRequest(), timeout=5).npu_blocks, 10, "indexed blocks"
+        )
+    before = metric_sum(metrics, "tandem_conductor_foreign_messages_total")
+    rogue = extra_identity(mesh, "agent/n2")
+    stored = conductor_pb2.BlockStored(
+        block_hashes=list(range(1, 9)), token_ids=list(range(8 * 16)), block_size=16
+    )
+    forged = [
+        conductor_pb2.IngestRequest(instance_gone=conductor_pb2.InstanceGone(instance_id="prefill-0")),
+        conductor_pb2.IngestRequest(instance_gone=conductor_pb2.InstanceGone(instance_id="decode-0")),
+        conductor_pb2.IngestRequest(
+            batch=conductor_pb2.KvEventBatch(
+                instance_id="prefill-0", sequence=10**6, model="tandem-sim", block_size=16,
+                events=[conductor_pb2.KvEvent(block_stored=stored)],
+            )
+        ),
+    ]  # fmt: skip
+    for target, server in ((address, "conductor"), (mesh.grpc_address, "conductor")):
+        with tls.channel(target, rogue, server) as channel:
+            list(conductor_pb2_grpc.ConductorStub(channel).Ingest(iter(forged), timeout=5))
+    wait_until(
+        lambda: metric_sum(metrics, "tandem_conductor_foreign_messages_total") >= before + 2 * len(forged),
+        10,
+        "the forged messages counted",
+    )
+    with mesh.channel() as channel:
+        after = conductor_pb2_grpc.ConductorStub(channel).GetIndexStats(
+            conductor_pb2.GetIndexStatsRequest(), timeout=5
+        )
+    assert after.npu_blocks >= entries  # nothing erased, nothing invented for n1's instances
+
+
+def test_a_removed_nodes_certificate_is_refused_on_every_listener(mesh):
+    """A node taken out of the mesh (`security.revoked_nodes`) keeps a certificate the mesh CA signed: Envoy's
+    control listener, the coordinator and the conductor refuse it, even for health."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    removed = extra_identity(mesh, "agent/n-removed")
+    targets = [
+        (mesh.grpc_address, "coordinator", "may not be called by"),  # Envoy's RBAC
+        (mesh.config["coordinator"]["listen"], "coordinator", "revoked"),
+        (mesh.config["conductor"]["listen"], "conductor", "revoked"),
+    ]
+    for address, server, reason in targets:
+        with tls.channel(address, removed, server) as channel:
+            if server == "coordinator":
+                code, details = code_and_details(
+                    lambda ch=channel: registry_pb2_grpc.RegistryStub(ch).Register(
+                        registry_pb2.RegisterRequest(instance=instance("removed-0", "n-removed")), timeout=5
+                    )
+                )
+                assert code == grpc.StatusCode.PERMISSION_DENIED and reason in details, (address, details)
+            code, details = code_and_details(
+                lambda ch=channel: health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+            )
+            assert code == grpc.StatusCode.PERMISSION_DENIED and reason in details, (address, details)
+    # A current node's certificate still works.
+    with tls.channel(mesh.config["conductor"]["listen"], extra_identity(mesh, "agent/n1"), "conductor") as ch:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
 
 
 def test_certificate_from_another_ca_is_refused(mesh, tmp_path):
@@ -307,6 +432,11 @@ class FakeDecodeEngine:
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name; the coordinator's probe of /health
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.put((dict(self.headers), body))
@@ -353,6 +483,7 @@ def test_forged_callbacks_racing_a_real_attempt_are_refused(mesh):
 
     heartbeat = threading.Thread(target=lambda: list(registry.Heartbeat(beats())), daemon=True)
     heartbeat.start()
+    wait_routable(mesh, "decode-fake")
     admin = mesh.admin()
     admin.DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="decode-0"), timeout=5)
     refused = "tandem_coordinator_metaserver_callbacks_total"
@@ -375,6 +506,18 @@ def test_forged_callbacks_racing_a_real_attempt_are_refused(mesh):
                 ("/v1/metaserver/c0", real, "token"),
                 (f"/v1/metaserver/c0/{token}", {**real, "remote_host": "10.9.9.9"}, "remote_host"),
                 (f"/v1/metaserver/c0/{token}", {**real, "remote_block_ids": [list(range(500))]}, "KV blocks"),
+                # The caller's own block size and group count no longer widen the bound (the prompt is 64 tokens,
+                # the decode instance registered 16-token blocks: at most 5 per group, 4 groups).
+                (
+                    f"/v1/metaserver/c0/{token}",
+                    {**real, "remote_block_ids": [list(range(60))], "remote_block_size": [1]},
+                    "KV blocks",
+                ),  # fmt: skip
+                (
+                    f"/v1/metaserver/c0/{token}",
+                    {**real, "remote_block_ids": [[1, 2, 3, 4, 5]] * 12},
+                    "KV cache groups",
+                ),  # fmt: skip
             ]
             for path, facts, reason in forged:
                 reply = callback(mesh, path, facts)
@@ -561,6 +704,7 @@ def test_api_key_and_request_ids_on_the_ext_authz_path(tmp_path):
     try:
         registry.Register(registry_pb2.RegisterRequest(instance=hybrid), timeout=5)
         heartbeat.start()
+        wait_routable(running, "hybrid-fake")
         running.admin().DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="sim-0"), timeout=5)
         assert complete(running, headers={}).status_code == 401
         reply = complete(running, headers={**auth(), "X-Request-Id": "client-7"})

@@ -24,3 +24,14 @@ def test_progress_counters_per_rank():
 
 def test_no_counters_no_progress():
     assert parse_load('vllm:num_requests_waiting{engine="0"} 4.0\n').progress == {}
+
+
+def test_kv_capacity_from_the_cache_config_info():
+    """GPU plus CPU blocks per rank (the conductor bounds a rank's indexed blocks by it); "None" counts 0."""
+    text = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{engine="0",num_gpu_blocks="1000",num_cpu_blocks="None"} 1.0\n'
+        'vllm:cache_config_info{engine="1",num_gpu_blocks="1000",num_cpu_blocks="500"} 1.0\n'
+    )
+    assert parse_load(text).kv_blocks == 1500
+    assert parse_load("").kv_blocks == 0
