@@ -65,11 +65,20 @@ class EnvoyConfig(BaseModel):
     max_connections: int = Field(default=10000, gt=0)
     """Connections Envoy accepts over all listeners (overload manager); past it new ones are refused."""
     max_connections_per_listener: int = Field(default=4096, gt=0)
-    """Connections one listener accepts at once."""
+    """Connections one listener accepts at once. From half of it on, Envoy shortens the idle timeout of
+    connections without a request (overload manager, `reduce_timeouts`), down to `min_idle_timeout_s` at 90%."""
+    first_byte_timeout_s: float = Field(default=5.0, gt=0)
+    """A new connection that sends no byte (no request, no TLS handshake) for this long is closed."""
     request_headers_timeout_s: float = Field(default=10.0, gt=0)
-    """A client must send its request headers within this (slow-header clients are cut)."""
-    idle_timeout_s: float = Field(default=300.0, gt=0)
-    """A downstream connection without any stream for this long is closed."""
+    """A client must send its request headers within this of its first byte (slow-header clients are cut)."""
+    request_body_timeout_s: float = Field(default=60.0, gt=0)
+    """A client must send its whole request body within this (trickled bodies are cut with 408). The timer ends
+    when the request goes to the engine (the decision's own time is added), so it never cuts a long response or a
+    long prefill."""
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    """A downstream connection without any stream for this long is closed (shortened near the connection limit)."""
+    min_idle_timeout_s: float = Field(default=1.0, gt=0)
+    """The idle timeout near the connection limit (90% of `max_connections_per_listener`)."""
     max_request_headers_kb: int = Field(default=60, gt=0, le=8192)
     """Largest request header block (KiB) Envoy accepts; larger gets 431."""
 

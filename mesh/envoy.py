@@ -158,6 +158,10 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
     env.filters["cluster_type"] = cluster_type
     envoy = mesh.envoy
     ext_proc_s = envoy.ext_proc_timeout_ms / 1000
+    prefill_budget_s = max(mesh.coordinator.prefill_budget_s, ext_proc_s)
+    # The longest a decision may hold a whole request before it goes to an engine: ext_proc's extended timer (a
+    # handoff's prefill leg runs during it), else one decision call.
+    decision_max_s = prefill_budget_s if mesh.decision_path == "ext_proc" else ext_proc_s
     agents = [(a.node_id, split_host_port(a.listen)) for a in mesh.node_agents]
     engines = _engine_endpoints(mesh) if envoy.engines_cluster == "static" else []
     tls = None
@@ -179,7 +183,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         descriptor=str(descriptor),
         timeouts={
             "ext_proc": _seconds(ext_proc_s),
-            "ext_proc_max": _seconds(max(mesh.coordinator.prefill_budget_s, ext_proc_s)),
+            "ext_proc_max": _seconds(prefill_budget_s),
             "access_log_flush": _seconds(envoy.access_log_flush_ms / 1000),
         },
         decision=mesh.decision_path,
@@ -209,7 +213,18 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
             "max_connections_per_listener": envoy.max_connections_per_listener,
             "max_heap_bytes": MAX_HEAP_BYTES,
             "request_headers_timeout": _seconds(envoy.request_headers_timeout_s),
+            "request_timeout": _seconds(envoy.request_body_timeout_s + decision_max_s),
+            "first_byte_timeout": _seconds(envoy.first_byte_timeout_s),
             "idle_timeout": _seconds(envoy.idle_timeout_s),
+            "min_idle_timeout": _seconds(min(envoy.min_idle_timeout_s, envoy.idle_timeout_s)),
+            # The overload manager sees all listeners' connections together: it shortens idle timeouts from half
+            # of one listener's limit on and reaches the shortest at 90% of it.
+            "scale_from": round(
+                min(0.5, 0.5 * envoy.max_connections_per_listener / envoy.max_connections), 4
+            ),
+            "scale_until": round(
+                min(0.9, 0.9 * envoy.max_connections_per_listener / envoy.max_connections), 4
+            ),
             "max_request_headers_kb": envoy.max_request_headers_kb,
         },
         coordinators=[split_host_port(a) for a in mesh.coordinator.replica_endpoints],

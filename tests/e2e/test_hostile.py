@@ -9,9 +9,11 @@ docs/security.md has the table of these cases and their answers.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import socket
 import ssl
+import time
 
 import grpc
 import httpx
@@ -575,3 +577,118 @@ def test_api_key_and_request_ids_on_the_ext_authz_path(tmp_path):
         fake.close()
         coordinator.close()
         assert running.stop() == 0
+
+
+# -- the edge: connection floods, HTTP/2 abuse, Envoy's admin interface ----------------------------------------------
+
+EDGE_LIMIT = (
+    200  # connections per listener in the edge mesh (the default is 4096: a flood that fills it is slow)
+)
+
+
+def edge_config(workdir) -> dict:
+    """An aggregated mesh (ext_authz) with reduced connection limits and short timeouts, so that a flood that
+    fills a listener stays small and the timeouts that end it stay short."""
+    config = mesh_config(engines=1, engine_args=["--speedup", "20"])
+    config["envoy"].update(
+        max_connections=2 * EDGE_LIMIT,
+        max_connections_per_listener=EDGE_LIMIT,
+        first_byte_timeout_s=2.0,
+        request_headers_timeout_s=2.0,
+        request_body_timeout_s=2.0,
+        ext_proc_timeout_ms=2000,
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory):
+    running = RunningMesh(edge_config(tmp_path_factory.mktemp("edge")), tmp_path_factory.mktemp("edge-run"))
+    running.start()
+    yield running
+    running.stop()
+
+
+def _health(mesh) -> int:
+    try:
+        return httpx.get(mesh.http + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _closed_by_peer(conn: socket.socket, timeout: float) -> bytes | None:
+    """What the server sent before closing `conn` within `timeout` (None if it stayed open)."""
+    conn.settimeout(timeout)
+    received = b""
+    try:
+        while chunk := conn.recv(4096):
+            received += chunk
+    except TimeoutError:
+        return None
+    except OSError:
+        pass  # reset: closed too
+    return received
+
+
+def test_a_connection_flood_does_not_take_the_ingress_down(edge):
+    """More idle connections than the listener takes, plus clients that send headers and then trickle their body
+    one byte at a time: Envoy closes the silent ones after `first_byte_timeout_s` and cuts the trickled requests
+    after `request_body_timeout_s` (+ the decision) with 408, so probes get 200 again within seconds while the
+    attacker still holds every socket it opened (before: 300 s idle, an hour of trickle, the listener full)."""
+    import threading
+
+    host, port = split_host_port(edge.config["envoy"]["http_listen"])
+    assert _health(edge) == 200
+    trickled = []
+    for _ in range(10):  # headers, then a body byte now and then (content-length 1000)
+        conn = socket.create_connection((host, port), timeout=5)
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: tandem\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"
+        )
+        trickled.append(conn)
+    idle = []
+    for _ in range(EDGE_LIMIT + 50):  # send nothing at all; those past the limit are closed at once
+        with contextlib.suppress(OSError):
+            idle.append(socket.create_connection((host, port), timeout=5))
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.5):
+            for conn in trickled:
+                with contextlib.suppress(OSError):
+                    conn.sendall(b" ")
+
+    dripper = threading.Thread(target=trickle, daemon=True)
+    dripper.start()
+    started = time.monotonic()
+    try:
+        # Probes succeed again within a few seconds: the silent connections are closed after 2 s.
+        wait_until(lambda: _health(edge) == 200, 15, "a probe answered 200 during the flood", interval=0.5)
+        deadline = started + 8  # first_byte_timeout_s is 2 s
+        still_open = [c for c in idle if _closed_by_peer(c, max(0.05, deadline - time.monotonic())) is None]
+        assert not still_open, f"{len(still_open)} of {len(idle)} silent connections still open after 8 s"
+        for conn in trickled:  # 408 within body timeout + decision (2 s + 2 s), not an hour
+            reply = _closed_by_peer(conn, 15)
+            assert reply is not None and reply.startswith(b"HTTP/1.1 408"), reply
+        assert time.monotonic() - started < 20
+        assert _health(edge) == 200
+    finally:
+        stop.set()
+        dripper.join(timeout=5)
+        for conn in idle + trickled:
+            conn.close()
+
+
+def test_long_answers_outlive_the_request_timeout(edge):
+    """The request timeout that cuts trickled bodies stops when the request reaches the engine: a streamed answer
+    that lasts longer than it is not cut (and a quiet client connection between requests is not either)."""
+    started = time.monotonic()
+    with httpx.Client(timeout=60) as client:
+        reply = client.post(
+            edge.http + "/v1/completions",
+            json={"model": "tandem-sim", "prompt": "hi", "max_tokens": 6000, "stream": True,
+                  "ignore_eos": True},
+        )  # fmt: skip
+        assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")
+        assert time.monotonic() - started > 4.0  # longer than request_body_timeout_s + the decision
