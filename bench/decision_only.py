@@ -18,13 +18,13 @@ import os
 import subprocess
 import sys
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
 import yaml
 
 from bench.harness import TimedOut, free_ports, http_ok, wait_until
+from mesh.envoy import admin_get
 from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 _REPLY = (
@@ -157,7 +157,7 @@ class BeforeTandem:
             "envoy": {
                 "http_listen": self.http,
                 "grpc_listen": f"127.0.0.1:{ports[1]}",
-                "admin_listen": f"127.0.0.1:{ports[2]}",
+                "admin_socket": str(workdir / "before-envoy-admin.sock"),
                 "base_id": ports[0],
                 "log_level": "error",
             },
@@ -215,10 +215,11 @@ class BeforeTandem:
         argv = [envoy_binary(), "-c", str(envoy_yaml), "--base-id", str(self.config["envoy"]["base_id"])]
         argv += ["--log-level", "error", "--concurrency", "1"]
         self.processes["envoy"] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        admin = self.config["envoy"]["admin_listen"]
+        admin = Path(self.config["envoy"]["admin_socket"])
 
         def started() -> bool:
-            urllib.request.urlopen(f"http://{admin}/ready", timeout=1).read()
+            if admin_get(admin, "/ready", timeout=1)[0] != 200:
+                return False
             with grpc.insecure_channel(self.coordinator) as ch:
                 grpc.channel_ready_future(ch).result(timeout=1)
             return True

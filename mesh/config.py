@@ -15,7 +15,7 @@ from conductor.config import ConductorConfig
 from coordinator.config import CoordinatorConfig, PdMode
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
-from tandem.netaddr import Address, is_loopback, is_wildcard, split_host_port
+from tandem.netaddr import Address, is_wildcard, split_host_port
 
 __all__ = ["ConfigError", "MeshConfig", "load_mesh_config", "parse_mesh_config"]
 
@@ -36,9 +36,12 @@ class EnvoyConfig(BaseModel):
     callback_listen: Address = "127.0.0.1:9002"
     """The engines' callback listener: only the metaserver callback (JSON, transcoded to `Metaserver.Trigger`),
     HTTPS with the mesh CA; each callback URL carries a per-attempt token."""
-    admin_listen: Address = "127.0.0.1:9901"
-    """Envoy's admin interface (it can stop Envoy: `/quitquitquit`): a loopback address only, for the operator
-    on that machine."""
+    admin_socket: str | None = None
+    """Envoy's admin interface (stats, `/ready`; it can stop Envoy: `/quitquitquit`): a unix socket, mode 0600,
+    never a network port. Unset: `<run-dir>/envoy-admin.sock` under `tandem up` (`tandem envoy-config`:
+    `run/envoy-admin.sock`). At most 100 bytes (the kernel's limit for socket paths)."""
+    admin_listen: str | None = None
+    """Removed: the admin interface is a unix socket (`admin_socket`); a mesh file that sets it is refused."""
     base_id: int = 0
     """Envoy `--base-id`; distinct per Envoy on one machine."""
     ext_proc_timeout_ms: int = Field(default=5000, gt=0)
@@ -97,11 +100,20 @@ class EnvoyConfig(BaseModel):
 
     @field_validator("admin_listen")
     @classmethod
-    def _loopback_admin(cls, value: str) -> str:
-        if not is_loopback(split_host_port(value)[0]):
+    def _no_admin_port(cls, value: str | None) -> str | None:
+        if value is not None:
             raise ValueError(
-                f"{value!r}: Envoy's admin interface can stop Envoy (/quitquitquit); it listens on loopback only"
+                "Envoy's admin interface can stop Envoy (/quitquitquit) and is no longer on a TCP port: remove "
+                "this key (the admin interface is the unix socket envoy.admin_socket, default "
+                "<run-dir>/envoy-admin.sock)"
             )
+        return value
+
+    @field_validator("admin_socket")
+    @classmethod
+    def _socket_path_fits(cls, value: str | None) -> str | None:
+        if value is not None and len(value.encode()) > 100:
+            raise ValueError(f"{value!r}: a unix socket path must be at most 100 bytes")
         return value
 
 

@@ -6,7 +6,9 @@ computes the values it needs. The rendering keeps the template's comments, so `r
 
 from __future__ import annotations
 
+import http.client
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ from tandem.netaddr import is_ip, join_host_port, split_host_port
 
 #: The template (a folder of the repository, next to the components: Envoy is a process of the mesh).
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
+#: Envoy's admin unix socket in the run directory (`envoy.admin_socket` overrides it).
+ADMIN_SOCKET_NAME = "envoy-admin.sock"
 #: The header Envoy's ORIGINAL_DST cluster reads the engine's `host:port` from; only the coordinator sets it.
 DESTINATION_HEADER = "x-tandem-destination"
 #: The request header the coordinator sets to the client's X-Request-Id (coordinator/request_ids.py), echoed back.
@@ -146,9 +150,38 @@ def api_keys_configured(mesh: MeshConfig) -> bool:
     return bool(mesh.coordinator.api_keys_file or mesh.coordinator.api_keys_env)
 
 
-def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None = None) -> str:
+def admin_socket_path(mesh: MeshConfig, run_dir: Path) -> Path:
+    """Envoy's admin unix socket: `envoy.admin_socket`, else `<run_dir>/envoy-admin.sock`."""
+    return Path(mesh.envoy.admin_socket) if mesh.envoy.admin_socket else run_dir / ADMIN_SOCKET_NAME
+
+
+def admin_get(socket_path: Path | str, path: str, timeout: float = 5.0) -> tuple[int, str]:
+    """GET `path` (e.g. `/ready`, `/stats?filter=...`) from Envoy's admin interface at its unix socket: the
+    status and the body. Raises OSError when the socket does not answer."""
+
+    class _Connection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(str(socket_path))
+
+    connection = _Connection("envoy-admin", timeout=timeout)
+    try:
+        connection.request("GET", path)
+        reply = connection.getresponse()
+        return reply.status, reply.read().decode(errors="replace")
+    except http.client.HTTPException as exc:
+        raise OSError(f"Envoy admin {socket_path}: {exc}") from exc
+    finally:
+        connection.close()
+
+
+def render_envoy_config(
+    mesh: MeshConfig, descriptor: Path, certs: Path | None = None, admin_socket: Path | None = None
+) -> str:
     """The bootstrap YAML for `mesh`, comments included; `descriptor` is the `tandem.v1` descriptor set; `certs`
-    the directory of `tandem certs` (default ./certs), unused in insecure mode."""
+    the directory of `tandem certs` (default ./certs), unused in insecure mode; `admin_socket` Envoy's admin unix
+    socket (default: `admin_socket_path` in ./run)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATE.parent),
         undefined=jinja2.StrictUndefined,
@@ -178,8 +211,8 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
             "http": split_host_port(envoy.http_listen),
             "grpc": split_host_port(envoy.grpc_listen),
             "callback": split_host_port(envoy.callback_listen),
-            "admin": split_host_port(envoy.admin_listen),
         },
+        admin_socket=str(admin_socket or admin_socket_path(mesh, Path("run"))),
         descriptor=str(descriptor),
         timeouts={
             "ext_proc": _seconds(ext_proc_s),
@@ -242,13 +275,21 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
     )
 
 
-def build_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None = None) -> dict[str, Any]:
+def build_envoy_config(
+    mesh: MeshConfig, descriptor: Path, certs: Path | None = None, admin_socket: Path | None = None
+) -> dict[str, Any]:
     """The rendered bootstrap as a document (for checks and tests)."""
-    return yaml.safe_load(render_envoy_config(mesh, descriptor, certs))
+    return yaml.safe_load(render_envoy_config(mesh, descriptor, certs, admin_socket))
 
 
-def write_envoy_config(mesh: MeshConfig, descriptor: Path, path: Path, certs: Path | None = None) -> Path:
+def write_envoy_config(
+    mesh: MeshConfig,
+    descriptor: Path,
+    path: Path,
+    certs: Path | None = None,
+    admin_socket: Path | None = None,
+) -> Path:
     """Writes the rendered bootstrap to `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_envoy_config(mesh, descriptor, certs))
+    path.write_text(render_envoy_config(mesh, descriptor, certs, admin_socket))
     return path

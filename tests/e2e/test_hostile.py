@@ -11,8 +11,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import socket
 import ssl
+import stat
 import time
 
 import grpc
@@ -692,3 +694,20 @@ def test_long_answers_outlive_the_request_timeout(edge):
         )  # fmt: skip
         assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")
         assert time.monotonic() - started > 4.0  # longer than request_body_timeout_s + the decision
+
+
+def test_envoys_admin_interface_is_not_on_the_network(edge):
+    """Envoy's admin interface (it stops Envoy with /quitquitquit) has no port: it is a unix socket in the run
+    directory that only its owner may open; readiness and stats are read there."""
+    from mesh.envoy import ADMIN_SOCKET_NAME
+
+    admin = edge.run_dir / ADMIN_SOCKET_NAME
+    info = admin.lstat()
+    assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+    assert info.st_uid == os.getuid()
+    assert edge.envoy_admin("/ready").strip() == "LIVE"
+    assert "http.ingress.downstream_cx_total" in edge.envoy_admin(
+        "/stats?filter=^http.ingress.downstream_cx_total"
+    )
+    rendered = (edge.run_dir / "envoy.yaml").read_text()
+    assert "admin:\n  address:\n    pipe:" in rendered and "9901" not in rendered
