@@ -38,6 +38,8 @@ NODE_HEADER = "tandem-node"
 #: Bodies are buffered for the coordinator's decision: the longest prompt a client may send (the coordinator's gRPC
 #: message limit follows it, `tandem.limits`).
 BUFFER_LIMIT = MAX_BODY_BYTES
+#: Client headers an engine never gets (credentials meant for the mesh or its web front, not for engines).
+ENGINE_REMOVED_HEADERS = ("cookie", "api-key")
 #: Envoy's heap past which the overload manager sheds load.
 MAX_HEAP_BYTES = 1024 * 1024 * 1024
 #: Who may call what through the control listener (Envoy RBAC; each service checks its own rules again):
@@ -145,6 +147,37 @@ def _local_replies() -> list[tuple[int, str, str]]:
     ]
 
 
+def _local_errors() -> list[tuple[int, str, str, str]]:
+    """(status, OpenAI type, message, CEL condition) of the errors Envoy answers itself besides `_local_replies`,
+    most specific first: the client gets OpenAI's JSON error shape with Envoy's reason."""
+    reason = " (%RESPONSE_CODE_DETAILS%)"
+    underscore = "response.code_details.endsWith('unexpected_underscore')"
+    return [
+        (400, "BadRequestError", "Header names with underscores are not accepted.", underscore),
+        (400, "BadRequestError", "The request is malformed" + reason + ".", "response.code == 400"),
+        (404, "NotFoundError", "Not found" + reason + ".", "response.code == 404"),
+        (500, "InternalServerError", "The mesh failed this request" + reason + ".", "response.code == 500"),
+        (
+            502,
+            "BadGatewayError",
+            "The engine's answer was not valid" + reason + "; retry shortly.",
+            "response.code == 502",
+        ),
+        (
+            503,
+            "ServiceUnavailableError",
+            "The engine for this request could not be reached" + reason + "; retry shortly.",
+            "response.code == 503",
+        ),
+        (
+            504,
+            "GatewayTimeoutError",
+            "The engine for this request sent nothing in time" + reason + ".",
+            "response.code == 504",
+        ),
+    ]
+
+
 def api_keys_configured(mesh: MeshConfig) -> bool:
     """Whether the coordinator checks API keys (it refuses to start when a named file or variable holds none)."""
     return bool(mesh.coordinator.api_keys_file or mesh.coordinator.api_keys_env)
@@ -241,6 +274,9 @@ def render_envoy_config(
         listener_header=tandem_tls.LISTENER_HEADER,
         client_id_header=CLIENT_ID_HEADER,
         local_replies=_local_replies(),
+        local_errors=_local_errors(),
+        engine_removed_headers=list(ENGINE_REMOVED_HEADERS)
+        + (list(API_KEY_HEADERS) if api_keys_configured(mesh) else []),
         limits={
             "max_connections": envoy.max_connections,
             "max_connections_per_listener": envoy.max_connections_per_listener,

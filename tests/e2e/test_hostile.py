@@ -41,6 +41,8 @@ API_KEY = "sk-hostile-suite-key"
 PROMPT = " ".join(f"token{i}" for i in range(64))
 LAYERWISE = "MooncakeLayerwiseConnector"
 DENIED = "tandem_authz_denied_total"
+#: Client credentials that must never reach an engine (lower case, as the fake engines' header check reads them).
+CREDENTIALS = {"cookie": "session=stolen", "api-key": "sk-azure-style"}
 
 
 def hostile_config(workdir) -> dict:
@@ -301,7 +303,7 @@ class FakeDecodeEngine:
     """A decode engine the test controls: it records each request and answers only when told, so forged callbacks
     can race a real request attempt while it waits for its prefill."""
 
-    def __init__(self) -> None:
+    def __init__(self, hang_up: bool = False) -> None:
         import http.server
         import queue
         import threading
@@ -311,9 +313,17 @@ class FakeDecodeEngine:
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - a healthy engine's /health
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.put((dict(self.headers), body))
+                if hang_up:  # a broken engine: the connection ends before any answer
+                    self.close_connection = True
+                    return
                 outer.release.wait(30)
                 answer = json.dumps(
                     {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}]}
@@ -363,7 +373,7 @@ def test_forged_callbacks_racing_a_real_attempt_are_refused(mesh):
     before = mesh.coordinator_metric(refused, outcome="refused")
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            client = pool.submit(complete, mesh, None, {**auth(), "X-Request-Id": "victim"})
+            client = pool.submit(complete, mesh, None, {**auth(), "X-Request-Id": "victim", **CREDENTIALS})
             headers, body = fake.requests.get(timeout=30)
             url = body["kv_transfer_params"]["metaserver"]
             seen = {k.lower(): v for k, v in headers.items()}
@@ -371,6 +381,7 @@ def test_forged_callbacks_racing_a_real_attempt_are_refused(mesh):
             assert engine_id.startswith("tdm-") and "victim" not in engine_id  # minted, not the client's
             assert seen["x-tandem-client-request-id"] == "victim"
             assert "authorization" not in seen  # the mesh's API key is not the engine's business
+            assert not set(CREDENTIALS) & set(seen)  # nor the client's cookies and other credentials
             token = url.rsplit("/", 1)[1]
             real = {"request_id": f"cmpl-{engine_id}-0", "remote_host": "127.0.0.1", "remote_port": 7777,
                     "remote_block_ids": [[1, 2]], "remote_block_size": [16]}  # fmt: skip
@@ -567,13 +578,13 @@ def test_api_key_and_request_ids_on_the_ext_authz_path(tmp_path):
         heartbeat.start()
         running.admin().DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="sim-0"), timeout=5)
         assert complete(running, headers={}).status_code == 401
-        reply = complete(running, headers={**auth(), "X-Request-Id": "client-7"})
+        reply = complete(running, headers={**auth(), "X-Request-Id": "client-7", **CREDENTIALS})
         assert reply.status_code == 200, reply.text
         assert reply.headers["x-request-id"] == "client-7"
         headers, _ = fake.requests.get(timeout=30)
         seen = {k.lower(): v for k, v in headers.items()}
         assert seen["x-request-id"].startswith("tdm-") and seen["x-tandem-client-request-id"] == "client-7"
-        assert "authorization" not in seen
+        assert "authorization" not in seen and not set(CREDENTIALS) & set(seen)
     finally:
         stop.set()
         fake.close()
@@ -711,3 +722,59 @@ def test_envoys_admin_interface_is_not_on_the_network(edge):
     )
     rendered = (edge.run_dir / "envoy.yaml").read_text()
     assert "admin:\n  address:\n    pipe:" in rendered and "9901" not in rendered
+
+
+def test_envoys_own_errors_are_openai_json(edge):
+    """Errors Envoy answers itself are OpenAI-shaped too: a header name with an underscore (400) and an engine that
+    hangs up before answering (503, Envoy's "upstream connect error or disconnect/reset before headers")."""
+    import threading
+
+    reply = httpx.post(
+        edge.http + "/v1/completions",
+        json={"model": "tandem-sim", "prompt": "hi", "max_tokens": 2},
+        headers={"x_smuggled": "1"},
+        timeout=10,
+    )
+    assert reply.status_code == 400 and reply.headers["content-type"].startswith("application/json")
+    assert error_of(reply) == {
+        "message": "Header names with underscores are not accepted.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    fake = FakeDecodeEngine(hang_up=True)
+    agent = tls.channel(edge.config["coordinator"]["listen"], extra_identity(edge, "agent/n1"), "coordinator")
+    registry = registry_pb2_grpc.RegistryStub(agent)
+    broken = instance("broken-fake", "n1", fake.port)
+    broken.role = common_pb2.ROLE_HYBRID
+    broken.dispatch_capability = common_pb2.DISPATCH_CAPABILITY_AGGREGATED
+    stop = threading.Event()
+
+    def beats():
+        while not stop.wait(0.2):
+            yield registry_pb2.HeartbeatRequest(instance_id="broken-fake", health=common_pb2.HEALTH_HEALTHY)
+
+    heartbeat = threading.Thread(target=lambda: list(registry.Heartbeat(beats())), daemon=True)
+    admin = edge.admin()
+    try:
+        registry.Register(registry_pb2.RegisterRequest(instance=broken), timeout=5)
+        heartbeat.start()
+        admin.DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="sim-0"), timeout=5)
+        reply = httpx.post(
+            edge.http + "/v1/completions",
+            json={"model": "tandem-sim", "prompt": "hi", "max_tokens": 2},
+            timeout=30,
+        )
+        assert fake.requests.qsize() >= 1  # it did reach the broken engine
+        assert reply.status_code == 503 and reply.headers["content-type"].startswith("application/json")
+        error = error_of(reply)
+        assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+        assert "could not be reached" in error["message"] and "upstream" in error["message"]
+    finally:
+        admin.UndrainInstance(admin_pb2.UndrainInstanceRequest(instance_id="sim-0"), timeout=5)
+        stop.set()
+        heartbeat.join(5)
+        registry.Deregister(registry_pb2.DeregisterRequest(instance_id="broken-fake"), timeout=5)
+        agent.close()
+        fake.close()
+    assert httpx.get(edge.http + "/health", timeout=10).status_code == 200
