@@ -464,6 +464,8 @@ def test_a_body_under_envoys_limit_reaches_the_coordinator(mesh):
         ({"max_tokens": 10**9}, "max_tokens"),
         ({"max_tokens": 8000, "prompt": PROMPT * 20}, "max_tokens"),  # beyond max_model_len with the prompt
         ({"n": 1000}, "n"),
+        ({"best_of": 1000}, "best_of"),
+        ({"prompt_logprobs": 10**6}, "prompt_logprobs"),
         ({"prompt": ["p"] * 100_000}, "prompt"),
     ],
 )
