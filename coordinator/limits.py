@@ -38,6 +38,9 @@ class RequestLimits(BaseModel):
     max_chars_per_token: int = Field(default=16, gt=0)
     """With a model's `max_model_len`, a prompt longer than this many characters per token of context is refused
     before it is tokenized (tokenizing megabytes would hold the coordinator for seconds)."""
+    max_prompt_chars: int = Field(default=2 * 1024 * 1024, gt=0)
+    """Longest prompt in characters (all prompts or messages of a request together) for every model, also one
+    without `max_model_len`: refused before it is tokenized or reaches an engine."""
 
 
 def json_depth(value: Any, limit: int) -> int:
@@ -120,16 +123,22 @@ def prompt_chars(api: str, body: dict[str, Any]) -> int:
 def check_prompt_size(
     api: str, body: dict[str, Any], max_model_len: int | None, limits: RequestLimits, model: str
 ) -> None:
-    """Refuses (400) a prompt far beyond the model's context before tokenizing it."""
-    if not max_model_len:
-        return
+    """Refuses (400) a prompt far beyond the model's context, or longer than `max_prompt_chars`, before tokenizing
+    it."""
     chars = prompt_chars(api, body)
-    if chars > max_model_len * limits.max_chars_per_token:
-        param = "messages" if api == "chat.completions" else "prompt"
+    param = "messages" if api == "chat.completions" else "prompt"
+    if max_model_len and chars > max_model_len * limits.max_chars_per_token:
         raise OpenAIError(
             400,
             f"The prompt ({chars} characters) cannot fit the {max_model_len} tokens `{model}` takes "
             "(max_model_len).",
+            param,
+        )
+    if chars > limits.max_prompt_chars:
+        raise OpenAIError(
+            400,
+            f"The prompt ({chars} characters) is longer than the {limits.max_prompt_chars} characters this "
+            "server accepts (max_prompt_chars).",
             param,
         )
 

@@ -269,3 +269,9 @@ def test_prompts_far_beyond_the_context_are_refused_before_tokenizing():
     check_prompt_size("completions", {"prompt": "x" * 10**6}, None, limits, "m")  # no context known
     with pytest.raises(OpenAIError, match="max_model_len"):
         check_prompt_size("completions", {"prompt": "x" * 401}, 100, limits, "m")
+    # Without a context length, the mesh-wide bound still holds (the default mesh's 20 MB prompts).
+    bounded = RequestLimits(max_prompt_chars=1000)
+    check_prompt_size("chat.completions", {"messages": [{"content": "x" * 1000}]}, None, bounded, "m")
+    with pytest.raises(OpenAIError, match="max_prompt_chars") as info:
+        check_prompt_size("chat.completions", {"messages": [{"content": "x" * 1001}]}, None, bounded, "m")
+    assert info.value.status == 400 and info.value.param == "messages"

@@ -695,6 +695,20 @@ def test_a_connection_flood_does_not_take_the_ingress_down(edge):
             conn.close()
 
 
+def test_a_20_mb_prompt_is_refused_without_max_model_len(edge):
+    """The edge mesh names no `max_model_len` (as mesh files often do not): a 20 MB prompt is still refused by
+    the coordinator before it is tokenized or reaches an engine, in OpenAI's shape."""
+    started = time.monotonic()
+    reply = httpx.post(
+        edge.http + "/v1/completions",
+        json={"model": "tandem-sim", "prompt": "word " * (4 * 1024 * 1024), "max_tokens": 2},
+        timeout=60,
+    )
+    assert reply.status_code == 400, reply.text
+    assert error_of(reply)["param"] == "prompt" and "max_prompt_chars" in error_of(reply)["message"]
+    assert time.monotonic() - started < 20
+
+
 def test_long_answers_outlive_the_request_timeout(edge):
     """The request timeout that cuts trickled bodies stops when the request reaches the engine: a streamed answer
     that lasts longer than it is not cut (and a quiet client connection between requests is not either)."""
