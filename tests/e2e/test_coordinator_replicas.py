@@ -69,7 +69,8 @@ def test_replicas_share_instances_and_survive_one_dying(tmp_path, etcd):
                 timeout=5,
                 verify=ssl.create_default_context(cafile=str(mesh.certs / "ca.pem")),
             )
-            assert reply.status_code == 404 and "reached" not in reply.text, reply.text
+            # Refused by the replica named (as a wrong token is), never "reached another replica".
+            assert reply.status_code == 403 and "reached" not in reply.text, reply.text
 
         load = SteadyLoad(mesh.http, "tandem-sim", clients=6, timeout_s=30).start()
         try:
