@@ -40,6 +40,9 @@ NODE_HEADER = "tandem-node"
 BUFFER_LIMIT = MAX_BODY_BYTES
 #: Client headers an engine never gets (credentials meant for the mesh or its web front, not for engines).
 ENGINE_REMOVED_HEADERS = ("cookie", "api-key")
+#: The largest metaserver callback body the callback listener takes (413 beyond): the prompt's token ids of a
+#: 256k-token prompt and its block ids fit.
+CALLBACK_BODY_LIMIT = 4 * 1024 * 1024
 #: Envoy's heap past which the overload manager sheds load.
 MAX_HEAP_BYTES = 1024 * 1024 * 1024
 #: Who may call what through the control listener (Envoy RBAC; each service checks its own rules again):
@@ -306,6 +309,7 @@ def render_envoy_config(
         destination_header=DESTINATION_HEADER,
         node_header=NODE_HEADER,
         buffer_limit=BUFFER_LIMIT,
+        callback_body_limit=CALLBACK_BODY_LIMIT,
         no_destination_body=_NO_DESTINATION,
         no_coordinator_body=_NO_COORDINATOR,
     )

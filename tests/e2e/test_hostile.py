@@ -273,12 +273,24 @@ def callback(mesh, path: str, body: dict) -> httpx.Response:
 
 def test_forged_callbacks_are_refused(mesh):
     facts = {"remote_block_ids": [[1, 2]], "remote_host": "10.9.9.9", "remote_port": 4444}
-    # A client id an attacker could know: the engines never see it, so no attempt answers to it.
+    # A client id an attacker could know: the engines never see it, so no attempt answers to it; and an unknown
+    # id is refused exactly as a wrong token is (403, same message): the answer does not tell which ids exist.
     for rid in ("cmpl-victim#a1-0", "chatcmpl-victim#a1", "cmpl-victim-0"):
         reply = callback(mesh, "/v1/metaserver/c0/guessed-token", {**facts, "request_id": rid})
-        assert reply.status_code == 404, reply.text
-    # Only the metaserver is served on the callback listener.
+        assert reply.status_code == 403, reply.text
+        assert reply.json()["message"].endswith("token does not belong to an open request attempt")
+    # Bodies are bounded before anything is parsed: 30 MB is 413 at once.
     context = ssl.create_default_context(cafile=str(mesh.certs / "ca.pem"))
+    huge = b'{"request_id": "cmpl-x-0", "token_ids": [' + b"1," * (15 * 1024 * 1024) + b"1]}"
+    reply = httpx.post(
+        f"https://{mesh.callback_address}/v1/metaserver/c0/guessed-token",
+        content=huge,
+        headers={"content-type": "application/json"},
+        verify=context,
+        timeout=30,
+    )
+    assert reply.status_code == 413, reply.text[:200]
+    # Only the metaserver is served on the callback listener.
     other = httpx.get(f"https://{mesh.callback_address}/v1/models", verify=context, timeout=10)
     assert other.status_code == 404
     # And the Metaserver is not reachable on the control listener, whoever calls.
@@ -794,3 +806,162 @@ def test_envoys_own_errors_are_openai_json(edge):
         agent.close()
         fake.close()
     assert httpx.get(edge.http + "/health", timeout=10).status_code == 200
+
+
+# HTTP/2 by hand (prior knowledge, or over TLS with ALPN h2): the abuse needs frames no client library sends.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+H2_HEADERS, H2_RST_STREAM, H2_SETTINGS, H2_GOAWAY, H2_CONTINUATION = 0x1, 0x3, 0x4, 0x7, 0x9
+END_STREAM, END_HEADERS = 0x1, 0x4
+
+
+def h2_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def hpack_literal(name: bytes, value: bytes) -> bytes:
+    """A header field as a literal without indexing, new name, no Huffman (names and values under 127 bytes)."""
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def h2_request_block(
+    path: bytes = b"/health", authority: bytes = b"tandem", scheme: bytes = b"http"
+) -> bytes:
+    return (
+        hpack_literal(b":method", b"GET")
+        + hpack_literal(b":scheme", scheme)
+        + hpack_literal(b":path", path)
+        + hpack_literal(b":authority", authority)
+    )
+
+
+def h2_goaway_or_closed(conn, timeout: float) -> bool:
+    """Whether the server sent GOAWAY or closed the connection within `timeout` (frames before it are skipped)."""
+    deadline = time.monotonic() + timeout
+    buffered = b""
+    while time.monotonic() < deadline:
+        conn.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+        if not chunk:
+            return True
+        buffered += chunk
+        while len(buffered) >= 9:
+            length = int.from_bytes(buffered[:3], "big")
+            if len(buffered) < 9 + length:
+                break
+            if buffered[3] == H2_GOAWAY:
+                return True
+            buffered = buffered[9 + length :]
+    return False
+
+
+GRPC_HEALTH_CHECK = (
+    hpack_literal(b":method", b"POST")
+    + hpack_literal(b":scheme", b"https")
+    + hpack_literal(b":path", b"/grpc.health.v1.Health/Check")
+    + hpack_literal(b":authority", b"envoy.tandem")
+    + hpack_literal(b"content-type", b"application/grpc")
+    + hpack_literal(b"te", b"trailers")
+)
+
+
+def h2_rapid_reset(
+    conn, pairs: int, block: bytes | None = None, flags: int = END_HEADERS | END_STREAM
+) -> int:
+    """Opens and at once cancels up to `pairs` streams (CVE-2023-44487) with the header `block` (GET /health);
+    how many were sent before the server ended the connection."""
+    conn.sendall(H2_PREFACE + h2_frame(H2_SETTINGS, 0, 0))
+    block = block or h2_request_block()
+    sent = 0
+    try:
+        for batch in range(0, pairs, 50):
+            frames = b"".join(
+                h2_frame(H2_HEADERS, flags, stream, block)
+                + h2_frame(H2_RST_STREAM, 0, stream, (8).to_bytes(4, "big"))  # CANCEL
+                for stream in range(2 * batch + 1, 2 * (batch + 50) + 1, 2)
+            )
+            conn.sendall(frames)
+            sent += 50
+    except OSError:
+        pass
+    return sent
+
+
+def h2_continuation_flood(conn, megabytes: int) -> int:
+    """One HEADERS frame that never ends its header block, then CONTINUATION frames of 16 KiB (CVE-2024-27316);
+    bytes sent before the server ended the connection."""
+    conn.sendall(H2_PREFACE + h2_frame(H2_SETTINGS, 0, 0))
+    conn.sendall(h2_frame(H2_HEADERS, 0, 1, h2_request_block()))
+    filler = b"".join(hpack_literal(b"x-filler", b"a" * 100) for _ in range(150))  # ~16 KiB of fields
+    sent = 0
+    try:
+        while sent < megabytes * 1024 * 1024:
+            conn.sendall(h2_frame(H2_CONTINUATION, 0, 1, filler))
+            sent += len(filler)
+    except OSError:
+        pass
+    return sent
+
+
+def _control_tls_socket(mesh, host: str, port: int):
+    files = mesh.tls("operator")
+    context = ssl.create_default_context(cafile=str(files.ca))
+    context.load_cert_chain(str(files.cert), str(files.key))
+    context.set_alpn_protocols(["h2"])
+    context.check_hostname = False
+    return context.wrap_socket(
+        socket.create_connection((host, port), timeout=10), server_hostname="envoy.tandem"
+    )
+
+
+@pytest.mark.parametrize("listener", ["ingress", "control"])
+def test_http2_rapid_reset_is_cut_off(edge, listener):
+    """10,000 streams opened and cancelled at once on one connection: Envoy ends the connection long before (its
+    premature-reset limit), and the listener still serves."""
+    host, port = split_host_port(
+        edge.config["envoy"]["http_listen" if listener == "ingress" else "grpc_listen"]
+    )
+    started = time.monotonic()
+    conn = socket.create_connection((host, port), timeout=10)
+    if listener == "control":
+        conn = _control_tls_socket(edge, host, port)
+    with conn:
+        if listener == "ingress":  # each stream waits for its decision when the reset comes
+            sent = h2_rapid_reset(conn, 10_000)
+        else:  # a gRPC call the operator may make, forwarded to the coordinator, its body never sent
+            sent = h2_rapid_reset(conn, 10_000, GRPC_HEALTH_CHECK, END_HEADERS)
+        assert h2_goaway_or_closed(conn, 10), f"{sent} streams opened and reset, connection still open"
+    prefix = "ingress" if listener == "ingress" else "control"
+    stats = edge.envoy_admin(f"/stats?filter=^http.{prefix}.downstream_rq_(too_many_premature_resets|total)$")
+    counts = {
+        line.split(": ")[0].rsplit("downstream_rq_", 1)[1]: int(line.split(": ")[1])
+        for line in stats.splitlines()
+    }
+    assert counts["too_many_premature_resets"] >= 1 and counts["total"] < 1000, (
+        counts
+    )  # cut after a few hundred
+    assert time.monotonic() - started < 20
+    assert _health(edge) == 200
+
+
+@pytest.mark.parametrize("listener", ["ingress", "control"])
+def test_http2_continuation_flood_is_cut_off(edge, listener):
+    """A header block that never ends (CONTINUATION after CONTINUATION): Envoy ends the connection once the block
+    passes its header limit instead of buffering it, and the listener still serves."""
+    host, port = split_host_port(
+        edge.config["envoy"]["http_listen" if listener == "ingress" else "grpc_listen"]
+    )
+    started = time.monotonic()
+    conn = socket.create_connection((host, port), timeout=10)
+    if listener == "control":
+        conn = _control_tls_socket(edge, host, port)
+    with conn:
+        sent = h2_continuation_flood(conn, 1)  # 1 MiB of header block, far past the 60 KiB limit
+        # Before: the stream was reset and the connection kept reading (and decoding) the endless block.
+        assert h2_goaway_or_closed(conn, 5), f"{sent} bytes of one header block, connection still open"
+    assert time.monotonic() - started < 20
+    assert _health(edge) == 200
