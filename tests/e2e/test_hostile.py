@@ -707,6 +707,29 @@ def test_a_connection_flood_does_not_take_the_ingress_down(edge):
             conn.close()
 
 
+def test_idle_keep_alive_connections_are_shed_near_the_limit(edge):
+    """Clients that made one request and then hold their keep-alive connection: idle connections normally live
+    `idle_timeout_s` (60 s), but at 90% of the listener's limit the overload manager's reduce_timeouts brings that
+    down to `min_idle_timeout_s` (1 s), so they are closed within seconds and new clients get in."""
+    host, port = split_host_port(edge.config["envoy"]["http_listen"])
+    held = []
+    try:
+        for _ in range(int(EDGE_LIMIT * 0.95)):  # one request each, then silence
+            conn = socket.create_connection((host, port), timeout=10)
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: tandem\r\n\r\n")
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            held.append(conn)
+        deadline = time.monotonic() + 10
+        still_open = [c for c in held if _closed_by_peer(c, max(0.05, deadline - time.monotonic())) is None]
+        assert len(still_open) < len(held) // 2, (
+            f"{len(still_open)} of {len(held)} idle connections still open"
+        )
+        assert _health(edge) == 200
+    finally:
+        for conn in held:
+            conn.close()
+
+
 def test_a_20_mb_prompt_is_refused_without_max_model_len(edge):
     """The edge mesh names no `max_model_len` (as mesh files often do not): a 20 MB prompt is still refused by
     the coordinator before it is tokenized or reaches an engine, in OpenAI's shape."""
