@@ -622,8 +622,9 @@ def edge_config(workdir) -> dict:
         max_connections_per_listener=EDGE_LIMIT,
         first_byte_timeout_s=2.0,
         request_headers_timeout_s=2.0,
-        request_body_timeout_s=2.0,
-        ext_proc_timeout_ms=2000,
+        request_body_timeout_s=1.0,
+        # The decision's own time, part of the request timeout: room for a 20 MB body's Check on a loaded machine.
+        ext_proc_timeout_ms=10_000,
     )
     return config
 
@@ -660,7 +661,7 @@ def _closed_by_peer(conn: socket.socket, timeout: float) -> bytes | None:
 def test_a_connection_flood_does_not_take_the_ingress_down(edge):
     """More idle connections than the listener takes, plus clients that send headers and then trickle their body
     one byte at a time: Envoy closes the silent ones after `first_byte_timeout_s` and cuts the trickled requests
-    after `request_body_timeout_s` (+ the decision) with 408, so probes get 200 again within seconds while the
+    after `request_body_timeout_s` (+ the decision's time) with 408, so probes get 200 again within seconds while the
     attacker still holds every socket it opened (before: 300 s idle, an hour of trickle, the listener full)."""
     import threading
 
@@ -695,10 +696,10 @@ def test_a_connection_flood_does_not_take_the_ingress_down(edge):
         deadline = started + 8  # first_byte_timeout_s is 2 s
         still_open = [c for c in idle if _closed_by_peer(c, max(0.05, deadline - time.monotonic())) is None]
         assert not still_open, f"{len(still_open)} of {len(idle)} silent connections still open after 8 s"
-        for conn in trickled:  # 408 within body timeout + decision (2 s + 2 s), not an hour
-            reply = _closed_by_peer(conn, 15)
+        for conn in trickled:  # 408 after body timeout + decision (1 s + 10 s), not an hour
+            reply = _closed_by_peer(conn, max(0.05, started + 40 - time.monotonic()))
             assert reply is not None and reply.startswith(b"HTTP/1.1 408"), reply
-        assert time.monotonic() - started < 20
+        assert time.monotonic() - started < 45
         assert _health(edge) == 200
     finally:
         stop.set()
@@ -751,11 +752,11 @@ def test_long_answers_outlive_the_request_timeout(edge):
     with httpx.Client(timeout=60) as client:
         reply = client.post(
             edge.http + "/v1/completions",
-            json={"model": "tandem-sim", "prompt": "hi", "max_tokens": 6000, "stream": True,
+            json={"model": "tandem-sim", "prompt": "hi", "max_tokens": 20000, "stream": True,
                   "ignore_eos": True},
         )  # fmt: skip
         assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")
-        assert time.monotonic() - started > 4.0  # longer than request_body_timeout_s + the decision
+        assert time.monotonic() - started > 11.0  # longer than request_body_timeout_s + the decision
 
 
 def test_envoys_admin_interface_is_not_on_the_network(edge):
