@@ -18,7 +18,6 @@ import threading
 import grpc
 
 from bench.harness import TimedOut, free_ports, http_ok, wait_until
-from mesh.envoy import admin_get
 from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 _REPLY = (
