@@ -74,7 +74,7 @@ class Authorization(ea_grpc.AuthorizationServicer):
         if answer is not None:
             return denied(answer)
         body = http.raw_body or http.body.encode()
-        outcome = await self.decider.route(path, body, ids)
+        outcome = await self.decider.route(path, body, ids, authorization=headers.get("authorization"))
         if isinstance(outcome, Answer):
             return denied(outcome)
         # Returned, not written: past this point the reply is grpc's to deliver. Should Envoy drop it (the client

@@ -145,7 +145,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         ids = new_request_ids(fields["request.id"].string_value if "request.id" in fields else None)
         request_id_var.set(ids.log)
         auth = fields.get(AUTHORIZATION_ATTRIBUTE)
-        answer = self.decider.without_body(method, path, auth.string_value if auth is not None else None)
+        authorization = auth.string_value if auth is not None else None
+        answer = self.decider.without_body(method, path, authorization)
         if answer is not None:
             await context.write(immediate(answer))
             return
@@ -171,7 +172,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             extension = asyncio.create_task(extend_later())
 
         try:
-            outcome = await self.decider.route(path, message.request_body.body, ids, extend)
+            outcome = await self.decider.route(path, message.request_body.body, ids, extend, authorization)
         except BaseException:
             if extension is not None:
                 extension.cancel()

@@ -142,8 +142,10 @@ def _local_replies() -> list[tuple[int, str, str]]:
 
 
 def api_keys_configured(mesh: MeshConfig) -> bool:
-    """Whether the coordinator checks API keys (it refuses to start when a named file or variable holds none)."""
-    return bool(mesh.coordinator.api_keys_file or mesh.coordinator.api_keys_env)
+    """Whether the coordinator checks API keys (it refuses to start when a named file or variable holds none;
+    tenants bring keys too)."""
+    c = mesh.coordinator
+    return bool(c.api_keys_file or c.api_keys_env or c.tenants or c.tenants_file)
 
 
 def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None = None) -> str:
