@@ -22,9 +22,9 @@ from pydantic_core import InitErrorDetails
 
 from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, policy_types
+from coordinator.scheduling.registry import param_sections, policy_params, section_of
 from coordinator.tenants import TenantSpec, check_unique
 from tandem.config_file import ConfigError
-from coordinator.scheduling.registry import param_sections, policy_params, section_of
 from tandem.netaddr import (
     Address,
     check_replica_addresses,

@@ -26,8 +26,8 @@ from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
 from coordinator.picker import EndpointPicker
-from coordinator.tenants import ENGINE_PRIORITY, TenantTable, resolve_tier
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
+from coordinator.tenants import ENGINE_PRIORITY, TenantTable, resolve_tier
 from coordinator.tickets import Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool

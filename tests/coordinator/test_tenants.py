@@ -11,9 +11,9 @@ from coordinator.decision import Decider
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
 from coordinator.tenants import (
-    Tier,
     TenantSpec,
     TenantTable,
+    Tier,
     parse_tenants_file,
     requested_tier,
     resolve_tier,
