@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator import metrics
 from coordinator.api_keys import ApiKeys
@@ -26,9 +26,10 @@ from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
 from coordinator.picker import EndpointPicker
+from coordinator.quotas import Admission, Quotas, output_bound
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
 from coordinator.tenants import ENGINE_PRIORITY, TenantTable, resolve_tier
-from coordinator.tickets import Ticket, TicketTable
+from coordinator.tickets import ABORTED, Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
 from coordinator.understanding import ROUTED_PATHS
@@ -89,6 +90,8 @@ class Routed:
     fallback: str | None = None  # a second engine Envoy may retry on (the destination header lists both)
     tier: str = "default"  # the service tier it is served in (`coordinator/tenants.py`)
     tenant: str = ""  # its tenant's name; "" for none
+    #: Headers the client gets with the engine's reply: its tenant's `x-ratelimit-*` (`coordinator/quotas.py`).
+    response_headers: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -98,10 +101,13 @@ class Answer:
     status: int
     body: bytes
     details: str  # Envoy's response code details
+    headers: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # besides content-type (429: retry-after, ...)
 
 
 def error_answer(error: OpenAIError) -> Answer:
-    return Answer(error.status, error.body(), f"tandem_{error.status}")
+    return Answer(error.status, error.body(), f"tandem_{error.status}", list(getattr(error, "headers", ())))
 
 
 class Decider:
@@ -125,6 +131,8 @@ class Decider:
         self.tenants = tenants or TenantTable()
         #: Engines take vLLM's `priority` field (`coordinator.engine_priority`).
         self.engine_priority = engine_priority
+        #: The tenants' quota state (per replica).
+        self.quotas = Quotas()
         self.handoff = handoff
         self.trigger = trigger
         self.tickets = tickets
@@ -199,13 +207,23 @@ class Decider:
             tier = resolve_tier(request.service_tier, tenant)
             if self.engine_priority:
                 request.body["priority"] = ENGINE_PRIORITY[tier]
-            pick = await picker.decide(api, raw_body, request_id, request)
+            admission = None
+            if tenant is not None:  # 429 past its quota, before any work is committed
+                admission = self.quotas.admit(tenant, request.prompt_tokens, request.max_tokens)
+            try:
+                pick = await picker.decide(api, raw_body, request_id, request)
+            except BaseException:
+                if admission is not None:  # never served: nothing used
+                    self.quotas.settle(admission, served=False)
+                raise
         except OpenAIError as exc:
             return self.reject(exc)
         except Exception:
             log.exception("routing failed")
             return self.reject(OpenAIError(500, "The coordinator failed to route this request; see its log."))
         ticket = self.tickets.issue([pick.target.commitment], request_id)
+        if admission is not None:
+            ticket.on_release = self._settle_on_release(admission, request.stream, request.max_tokens)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
         engine_request_id = request_id
         body = None
@@ -246,4 +264,20 @@ class Decider:
         routed = Routed(instance.address, engine_request_id, ids.echo, ticket, body, removed, pick.fallback)
         routed.tier = tier
         routed.tenant = tenant.name if tenant is not None else ""
+        if admission is not None:
+            routed.response_headers = admission.headers
         return routed
+
+    def _settle_on_release(self, admission: Admission, stream: bool, max_tokens: int):
+        """The ticket's release hook: the request ended, however; its quota is settled (see `Quotas.settle`)."""
+        quotas = self.quotas
+
+        def settle(ticket: Ticket) -> None:
+            if ticket.ended == ABORTED:  # the decision never reached Envoy
+                quotas.settle(admission, served=False)
+            elif ticket.response_bytes is not None:
+                quotas.settle(admission, output_bound(ticket.response_bytes, stream, max_tokens))
+            else:  # expired or reconciled: its output is unknown, no correction
+                quotas.settle(admission)
+
+        return settle

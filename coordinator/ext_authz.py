@@ -51,7 +51,7 @@ def denied(answer: Answer) -> ea.CheckResponse:
         status=_DENIED,
         denied_response=ea.DeniedHttpResponse(
             status=http_status_pb2.HttpStatus(code=answer.status),
-            headers=[_JSON] if answer.body else [],
+            headers=([_JSON] if answer.body else []) + [_header(k, v) for k, v in answer.headers],
             body=answer.body.decode(),
         ),
     )
@@ -102,5 +102,10 @@ class Authorization(ea_grpc.AuthorizationServicer):
             header.header.value = value
             header.append_action = _OVERWRITE
         ok.headers_to_remove.extend(routed.remove_headers)
+        for key, value in routed.response_headers:  # the tenant's x-ratelimit-*, on the engine's reply
+            header = ok.response_headers_to_add.add()
+            header.header.key = key
+            header.header.value = value
+            header.append_action = _OVERWRITE
         reply.dynamic_metadata.fields[TICKET_KEY].string_value = routed.ticket.id
         return reply

@@ -15,7 +15,7 @@ import yaml
 
 from coordinator.access_log import EXT_AUTHZ_NAMESPACE, METADATA_NAMESPACE
 from coordinator.decision import API_KEY_HEADERS
-from coordinator.ext_proc import REQUEST_ATTRIBUTES
+from coordinator.ext_proc import REQUEST_ATTRIBUTES, RESPONSE_HEADER_KEYS
 from coordinator.understanding import ROUTED_PATHS
 from mesh.config import MeshConfig
 from node_agent.launch import Placement, registered_instance_ids
@@ -190,6 +190,7 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         # Where the decision filter leaves the ticket in dynamic metadata (ext_authz: under its own name).
         ticket_namespace=METADATA_NAMESPACE if mesh.decision_path == "ext_proc" else EXT_AUTHZ_NAMESPACE,
         request_attributes=list(REQUEST_ATTRIBUTES),
+        response_header_keys=list(RESPONSE_HEADER_KEYS),
         # Headers the ext_proc routes remove (ext_authz removes them on the coordinator's word): the API key.
         removed_headers=list(API_KEY_HEADERS) if api_keys_configured(mesh) else [],
         agents=agents,
