@@ -148,7 +148,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
     registry = RegistryService(instances, config, picker.ledger, shared, tls_on=tls is not None)
-    admin = AdminService(picker, decider.counters, mesh, shared)
+    admin = AdminService(picker, decider.counters, mesh, shared, decider)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
@@ -164,6 +164,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
     metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
     metrics.TICKETS.watch(tickets)
+    metrics.TENANTS.watch(decider)
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
     app.on_stop(shared.close)

@@ -26,7 +26,7 @@ from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
 from coordinator.picker import EndpointPicker
-from coordinator.quotas import Admission, Quotas, output_bound
+from coordinator.quotas import Admission, Quotas, RateLimited, output_bound
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
 from coordinator.tenants import ENGINE_PRIORITY, TenantTable, resolve_tier
 from coordinator.tickets import ABORTED, Ticket, TicketTable
@@ -49,6 +49,14 @@ class RequestCounters:
 
     routed: int = 0
     rejected: int = 0
+    #: By (tenant, tier): [routed, rate limited]; tenant "" for none.
+    tiers: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
+    def tier(self, tenant: str, tier: str) -> list[int]:
+        counts = self.tiers.get((tenant, tier))
+        if counts is None:
+            counts = self.tiers[(tenant, tier)] = [0, 0]
+        return counts
 
 
 @dataclass(slots=True, frozen=True)
@@ -209,7 +217,11 @@ class Decider:
                 request.body["priority"] = ENGINE_PRIORITY[tier]
             admission = None
             if tenant is not None:  # 429 past its quota, before any work is committed
-                admission = self.quotas.admit(tenant, request.prompt_tokens, request.max_tokens)
+                try:
+                    admission = self.quotas.admit(tenant, request.prompt_tokens, request.max_tokens)
+                except RateLimited:
+                    self.counters.tier(tenant.name, tier)[1] += 1
+                    raise
             try:
                 pick = await picker.decide(api, raw_body, request_id, request)
             except BaseException:
@@ -257,6 +269,7 @@ class Decider:
             raise
         instance = pick.target.instance.info
         self.counters.routed += 1
+        self.counters.tier(tenant.name if tenant is not None else "", tier)[0] += 1
         metrics.routed(instance.instance_id)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("routed", extra={"instance": instance.instance_id, "mode": pick.mode})

@@ -208,3 +208,49 @@ async def test_concurrency_is_released_on_every_end_path(end):
         assert quotas.counters.refunded_tokens["t"] >= 50 - 12
     (again,) = await process(decider, body_message(COMPLETION, authorization="Bearer k-t"))
     assert again.HasField("request_body")
+
+
+async def test_counters_per_tier_and_tenant_in_prometheus_and_get_stats():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from coordinator.metrics import TenantCollector
+    from coordinator.services import AdminService
+    from tandem.v1 import admin_pb2
+
+    gold = TenantSpec(name="gold", keys=["k-gold"], default_tier="priority", max_tier="priority")
+    tiny = TenantSpec(name="tiny", keys=["k-tiny"], default_tier="flex", requests_per_minute=1)
+    decider = decider_with([gold, tiny])
+    collector = TenantCollector()
+    collector.watch(decider)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    idle = generate_latest(registry).decode()
+    assert 'tandem_coordinator_tenant_inflight_requests{tenant="gold"} 0.0' in idle  # idle gauges read 0
+    tickets = []
+    for key, tier in (("k-gold", None), ("k-gold", "flex"), ("k-tiny", None), ("k-tiny", None)):
+        body = {**COMPLETION, **({"service_tier": tier} if tier else {})}
+        (reply,) = await process(decider, body_message(body, authorization=f"Bearer {key}"))
+        if reply.HasField("request_body"):
+            tickets.append(decision_metadata(reply)["ticket"])
+    text = generate_latest(registry).decode()
+    assert (
+        'tandem_coordinator_tier_requests_total{outcome="routed",tenant="gold",tier="priority"} 1.0' in text
+    )
+    assert 'tandem_coordinator_tier_requests_total{outcome="routed",tenant="gold",tier="flex"} 1.0' in text
+    assert (
+        'tandem_coordinator_tier_requests_total{outcome="rate_limited",tenant="tiny",tier="flex"} 1.0' in text
+    )
+    assert 'tandem_coordinator_tenant_inflight_requests{tenant="gold"} 2.0' in text
+    admin = AdminService(decider.picker, decider.counters, None, None, decider)
+    stats = await admin.GetStats(admin_pb2.GetStatsRequest(), None)
+    tiers = {(t.tenant, t.tier): (t.requests_routed, t.requests_rate_limited) for t in stats.tiers}
+    assert tiers == {("gold", "flex"): (1, 0), ("gold", "priority"): (1, 0), ("tiny", "flex"): (1, 1)}
+    tenants = {t.tenant: t for t in stats.tenants}
+    assert tenants["gold"].requests_inflight == 2 and tenants["tiny"].requests_rate_limited == 1
+    for ticket in tickets:
+        decider.tickets.end(ticket, "completed", response_bytes=10)
+    stats = await admin.GetStats(admin_pb2.GetStatsRequest(), None)
+    assert all(t.requests_inflight == 0 for t in stats.tenants) and stats.requests_inflight == 0
+    assert (
+        'tandem_coordinator_tenant_inflight_requests{tenant="gold"} 0.0' in generate_latest(registry).decode()
+    )
