@@ -6,7 +6,6 @@ SDK's own retry honours `retry-after`, and every in-flight count is back to zero
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -30,12 +29,17 @@ def auth(tenant: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
+@pytest.fixture(scope="module", params=["ext_proc", "ext_authz"])
+def mesh(request, tmp_path_factory):
+    """The example's tenants on each decision path: as the example runs it (engines scheduling by priority, so
+    ext_proc), and on ext_authz (engines in arrival order: the tier is counted, not sent)."""
     example_engine = EXAMPLE["node_agents"][0]["engines"][0]
-    config = mesh_config(engines=2, engine_args=[*example_engine["args"], "--speedup", "20"])
-    for key in ("tenants", "engine_priority"):
-        config["coordinator"][key] = EXAMPLE["coordinator"][key]
+    priority = request.param == "ext_proc"
+    args = [*example_engine["args"]] if priority else []
+    config = mesh_config(engines=2, engine_args=[*args, "--speedup", "20"])
+    config["coordinator"]["tenants"] = EXAMPLE["coordinator"]["tenants"]
+    config["coordinator"]["engine_priority"] = priority and EXAMPLE["coordinator"]["engine_priority"]
+    config["envoy"]["decision"] = request.param
     running = RunningMesh(config, tmp_path_factory.mktemp("tiers"))
     running.start()
     yield running
