@@ -6,6 +6,7 @@ SDK's own retry honours `retry-after`, and every in-flight count is back to zero
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -37,10 +38,16 @@ def mesh(request, tmp_path_factory):
     priority = request.param == "ext_proc"
     args = [*example_engine["args"]] if priority else []
     config = mesh_config(engines=2, engine_args=[*args, "--speedup", "20"])
-    config["coordinator"]["tenants"] = EXAMPLE["coordinator"]["tenants"]
+    workdir = tmp_path_factory.mktemp("tiers")
+    # gold and free inline, tiny in the reloadable tenants file (as `tenants_file` takes them)
+    tenants = EXAMPLE["coordinator"]["tenants"]
+    config["coordinator"]["tenants"] = [t for t in tenants if t["name"] != "tiny"]
+    tenants_file = workdir / "tenants.yaml"
+    tenants_file.write_text(yaml.safe_dump({"tenants": [t for t in tenants if t["name"] == "tiny"]}))
+    config["coordinator"]["tenants_file"] = str(tenants_file)
     config["coordinator"]["engine_priority"] = priority and EXAMPLE["coordinator"]["engine_priority"]
     config["envoy"]["decision"] = request.param
-    running = RunningMesh(config, tmp_path_factory.mktemp("tiers"))
+    running = RunningMesh(config, workdir)
     running.start()
     yield running
     if running.process.poll() is None:
@@ -137,3 +144,33 @@ def test_tiny_gets_429_past_its_quota_then_the_sdk_retry_succeeds(mesh):
     tiers = {(t.tenant, t.tier): t for t in final.tiers}
     assert tiers[("tiny", "default")].requests_rate_limited >= 2
     assert tiers[("gold", "priority")].requests_routed >= 1 and tiers[("gold", "flex")].requests_routed >= 2
+
+
+def test_the_tenants_file_reloads_and_a_malformed_one_keeps_the_last_good(mesh):
+    path = Path(mesh.config["coordinator"]["tenants_file"])
+    good = yaml.safe_load(path.read_text())
+    late = {"name": "late", "keys": ["sk-late"], "default_tier": "flex", "max_tier": "flex"}
+    path.write_text(yaml.safe_dump({"tenants": [*good["tenants"], late]}))
+
+    def late_served() -> bool:
+        reply = httpx.post(
+            mesh.http + "/v1/completions",
+            json=COMPLETION,
+            headers={"Authorization": "Bearer sk-late"},
+            timeout=30,
+        )
+        return reply.status_code == 200
+
+    wait_until(late_served, 15, "the new tenant's key accepted")
+    path.write_text("tenants:\n- {name: late, keys: [sk-late], max_tier: platinum}\n")
+    log = mesh.run_dir / "coordinator.log"
+
+    def rejected_logged() -> bool:
+        return any("tenants file rejected" in line for line in log.read_text().splitlines())
+
+    wait_until(rejected_logged, 15, "the coordinator's one-line error")
+    (line,) = [ln for ln in log.read_text().splitlines() if "tenants file rejected" in ln]
+    assert "tenants[0].max_tier" in line
+    assert late_served()  # the last good tenants stay
+    path.write_text(yaml.safe_dump(good))
+    wait_until(lambda: not late_served(), 15, "the tenant removed")
