@@ -118,20 +118,37 @@ def test_tiny_gets_429_past_its_quota_then_the_sdk_retry_succeeds(mesh):
     assert 1 <= int(refused.headers["retry-after"]) <= 2 and int(refused.headers["retry-after-ms"]) <= 2000
     assert refused.headers["content-type"] == "application/json"
 
-    # The OpenAI SDK's own retry: it sees the 429, waits what retry-after-ms says (about 2 s), and succeeds.
+    # The OpenAI SDK's own retry: it sees the 429, waits what retry-after-ms says (at most 2 s), and succeeds. The
+    # bucket refills one request every 2 s, so on a slow machine the SDK's first attempt may already pass: the bucket
+    # is emptied right before each try, three tries at most.
     seen: list[int] = []
     http_client = httpx.Client(event_hooks={"response": [lambda r: seen.append(r.status_code)]})
     sdk = openai.OpenAI(
         base_url=mesh.http + "/v1", api_key=KEYS["tiny"], max_retries=3, http_client=http_client
     )
-    first = httpx.post(mesh.http + "/v1/completions", json=COMPLETION, headers=auth("tiny"), timeout=30)
-    assert first.status_code == 429  # still empty: the SDK's first attempt is refused too
-    began = time.monotonic()
-    completion = sdk.completions.create(model="tandem-sim", prompt="hello", max_tokens=2)
-    assert completion.usage.completion_tokens == 2
-    assert seen[0] == 429 and seen[-1] == 200 and len(seen) <= 4
-    assert time.monotonic() - began < 10
+    for _ in range(3):
+        for _ in range(3):  # empty again (one refill at most since the 429 above)
+            drained = httpx.post(
+                mesh.http + "/v1/completions", json=COMPLETION, headers=auth("tiny"), timeout=30
+            )
+            if drained.status_code == 429:
+                break
+        seen.clear()
+        began = time.monotonic()
+        completion = sdk.completions.create(model="tandem-sim", prompt="hello", max_tokens=2)
+        assert completion.usage.completion_tokens == 2
+        assert seen[-1] == 200 and len(seen) <= 4 and time.monotonic() - began < 15
+        if seen[0] == 429:
+            break
+    assert seen[0] == 429, "the SDK never met a 429 to retry"
     http_client.close()
+
+    for tier in (None, "flex"):  # gold: its default tier (priority), then one it asks for
+        body = {**COMPLETION, **({"service_tier": tier} if tier else {})}
+        assert (
+            httpx.post(mesh.http + "/v1/completions", json=body, headers=auth("gold"), timeout=30).status_code
+            == 200
+        )
 
     def settled() -> bool:
         s = stats(mesh)
@@ -143,7 +160,7 @@ def test_tiny_gets_429_past_its_quota_then_the_sdk_retry_succeeds(mesh):
     assert tenants["tiny"].requests_rate_limited >= 2 and tenants["tiny"].requests_admitted >= 31
     tiers = {(t.tenant, t.tier): t for t in final.tiers}
     assert tiers[("tiny", "default")].requests_rate_limited >= 2
-    assert tiers[("gold", "priority")].requests_routed >= 1 and tiers[("gold", "flex")].requests_routed >= 2
+    assert tiers[("gold", "priority")].requests_routed >= 1 and tiers[("gold", "flex")].requests_routed >= 1
 
 
 def test_the_tenants_file_reloads_and_a_malformed_one_keeps_the_last_good(mesh):
