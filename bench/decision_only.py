@@ -1,12 +1,9 @@
-"""Pieces for measuring a router's decision path alone, and Tandem before this branch, side by side.
+"""Pieces for measuring a router's decision path alone.
 
 - `null_upstream`: a do-nothing OpenAI endpoint (raw asyncio, one process, several ports) answering every request
   at once with a fixed completion, so that what a path adds is the router's own work.
 - `Registrar`: keeps instances registered with a coordinator and reports them healthy (what a node agent does),
-  for upstreams no agent launched (the do-nothing one) and for a coordinator no agent knows (Tandem before).
-- `BeforeTandem`: Envoy and the coordinator of another git checkout (the main branch: one ext_proc stream per
-  request with headers and body messages, released when the stream ends), exported (`git archive`) to a temporary
-  directory and run with this environment's interpreter, in front of the same engines.
+  for upstreams no agent launched (the do-nothing one).
 
     python -m bench.decision_only --serve-null PORT [PORT ...]     (the do-nothing upstream; used by the bench)
 """
@@ -14,15 +11,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import threading
-import urllib.request
-from pathlib import Path
 
 import grpc
-import yaml
 
 from bench.harness import TimedOut, free_ports, http_ok, wait_until
 from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -139,111 +132,6 @@ class Registrar:
                     load=common_pb2.InstanceLoad(),
                 )
             self._stop.wait(0.3)
-
-
-class BeforeTandem:
-    """Envoy + coordinator of another commit (`ref`, default main), exported to the work directory."""
-
-    def __init__(self, workdir: Path, ref: str = "main", policy: str = "round_robin") -> None:
-        self.ref = ref
-        self.tree = workdir / "before-tree"
-        self.workdir = workdir
-        self.policy = policy
-        self.processes: dict[str, subprocess.Popen] = {}
-        ports = free_ports(6)
-        self.http = f"127.0.0.1:{ports[0]}"
-        self.coordinator = f"127.0.0.1:{ports[3]}"
-        self.config = {
-            "envoy": {
-                "http_listen": self.http,
-                "grpc_listen": f"127.0.0.1:{ports[1]}",
-                "admin_listen": f"127.0.0.1:{ports[2]}",
-                "base_id": ports[0],
-                "log_level": "error",
-            },
-            "coordinator": {
-                "listen": self.coordinator,
-                "metrics_listen": f"127.0.0.1:{ports[4]}",
-                "heartbeat_interval_s": 0.5,
-                "scheduler": {"policy": policy},
-            },
-            "conductor": {
-                "listen": f"127.0.0.1:{ports[5]}",
-                "metrics_listen": f"127.0.0.1:{free_ports(1)[0]}",
-            },
-            "models": [{"name": "tandem-sim"}],
-        }
-
-    def commit(self) -> str:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", self.ref], capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    def _env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": str(self.tree), "TANDEM_NO_BANNER": "1"}
-
-    def start(self) -> None:
-        self.tree.mkdir(parents=True)
-        archive = subprocess.run(
-            ["git", "archive", "--format=tar", self.ref], check=True, capture_output=True
-        )
-        subprocess.run(["tar", "-x", "-C", str(self.tree)], input=archive.stdout, check=True)
-        py = sys.executable
-        subprocess.run([py, "-m", "tandem.protogen"], cwd=self.tree, env=self._env(), check=True)
-        config_path = self.workdir / "before.yaml"
-        config_path.write_text(yaml.safe_dump(self.config))
-        log = open(self.workdir / "before-coordinator.log", "wb")  # noqa: SIM115
-        self.processes["coordinator"] = subprocess.Popen(
-            [py, "-m", "mesh", "coordinator", "--config", str(config_path)],
-            cwd=self.tree,
-            env=self._env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        rendered = subprocess.run(
-            [py, "-m", "mesh", "envoy-config", "--config", str(config_path)],
-            cwd=self.tree,
-            env=self._env(),
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        envoy_yaml = self.workdir / "before-envoy.yaml"
-        envoy_yaml.write_text(rendered)
-        from mesh.up import envoy_binary
-
-        argv = [envoy_binary(), "-c", str(envoy_yaml), "--base-id", str(self.config["envoy"]["base_id"])]
-        argv += ["--log-level", "error", "--concurrency", "1"]
-        self.processes["envoy"] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        admin = self.config["envoy"]["admin_listen"]
-
-        def started() -> bool:
-            urllib.request.urlopen(f"http://{admin}/ready", timeout=1).read()
-            with grpc.insecure_channel(self.coordinator) as ch:
-                grpc.channel_ready_future(ch).result(timeout=1)
-            return True
-
-        try:
-            wait_until(
-                started,
-                30,
-                "Envoy and the coordinator",
-                interval=0.2,
-                ignore=(OSError, grpc.FutureTimeoutError),
-            )
-        except TimedOut:
-            raise RuntimeError(f"Tandem before ({self.ref}) did not start; see {log.name}") from None
-
-    def pids(self) -> dict[str, int]:
-        return {name: p.pid for name, p in self.processes.items()}
-
-    def stop(self) -> None:
-        for proc in self.processes.values():
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 if __name__ == "__main__":

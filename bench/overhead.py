@@ -11,9 +11,7 @@ round-robin over the engines (an ideal client-side balancer).
 
 Tandem paths: the mesh as `tandem up` runs it (an aggregated mesh decides with ext_authz), with `round_robin` and
 `kv_affinity` (switched by rewriting the mesh file, which the coordinator reloads); the same coordinator behind a
-second Envoy rendered with `envoy.decision: ext_proc` (one body message each way); and Tandem *before* this
-change, the main branch's Envoy and coordinator (`--before-ref`, one ext_proc stream per request, headers and
-body), exported from git and run in front of the same engines. Printed per scenario and path: requests/s, latency
+second Envoy rendered with `envoy.decision: ext_proc` (one body message each way). Printed per scenario and path: requests/s, latency
 p50/p99 and what the path adds over direct, streamed TTFT and inter-token latency p50/p99, and CPU seconds per
 1,000 requests of every process of the router (Envoy + coordinator (+ its tokenizer worker) + conductor for
 Tandem), from /proc.
@@ -35,7 +33,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from bench.decision_only import BeforeTandem, Registrar, start_null
+from bench.decision_only import Registrar, start_null
 from bench.harness import free_ports, http_ok, mesh_config, wait_until
 from bench.peers import PEERS, start_peer, version
 from bench.replay import percentile
@@ -64,12 +62,11 @@ SCENARIOS = {
         "null",
     ),
 }
-#: label -> (policy, decision path); "before" is the main branch's Tandem
+#: label -> (policy, decision path)
 TANDEM_PATHS = {
     "tandem round_robin": ("round_robin", "mesh"),
     "tandem kv_affinity": ("kv_affinity", "mesh"),
     "tandem ext_proc round_robin": ("round_robin", "ext_proc"),
-    "tandem before round_robin": ("round_robin", "before"),
 }
 #: Peers also run in front of the do-nothing upstream (cache-aware ones need engine endpoints it lacks).
 NULL_PEERS = ("sglang-router round_robin", "vllm-router round_robin")
@@ -194,7 +191,7 @@ class Bench:
         self.workdir = Path(tempfile.mkdtemp(prefix="tandem-overhead-"))
         self.config = mesh_config(engines=args.engines, engine_args=["--speedup", str(args.speedup)])
         self.config["envoy"]["log_level"] = "error"
-        # Plain text between components, as for the peer routers and Tandem before: what mutual TLS costs is
+        # Plain text between components, as for the peer routers: what mutual TLS costs is
         # measured on its own (bench/mtls.py), and the decision-only registrars speak plain gRPC.
         self.config["security"] = {"insecure": True}
         self.config_path = self.workdir / "mesh.yaml"
@@ -205,7 +202,6 @@ class Bench:
         self.peers: list = []
         self.others: list[subprocess.Popen] = []
         self.registrars: list[Registrar] = []
-        self.before: BeforeTandem | None = None
         self.policy = "least_load"
 
     def set_policy(self, policy: str) -> None:
@@ -264,13 +260,6 @@ class Bench:
                 if decision == "ext_proc":
                     url, envoy_pid = self._ext_proc_envoy()
                     path_pids = {**pids, "envoy": envoy_pid}
-                elif decision == "before":
-                    self.before = BeforeTandem(self.workdir, self.args.before_ref, policy)
-                    self.before.start()
-                    url = f"http://{self.before.http}/v1/completions"
-                    path_pids = self.before.pids()
-                    self.registrars.append(Registrar(self.before.coordinator, "tandem-sim", engines, "sim"))
-                    self.registrars.append(Registrar(self.before.coordinator, NULL_MODEL, nulls, "null"))
                 paths.append(
                     Path_(
                         name,
@@ -300,8 +289,6 @@ class Bench:
             registrar.stop()
         for peer in self.peers:
             peer.stop()
-        if self.before is not None:
-            self.before.stop()
         for proc in self.others:
             proc.terminate()
             proc.wait(10)
@@ -323,7 +310,7 @@ class Bench:
             ordered = sorted(runnable, key=lambda p: (p.policy != "round_robin", p.policy == ""))
             for _ in range(a.rounds):
                 for p in ordered:
-                    if p.policy and "before" not in p.name:
+                    if p.policy:
                         self.set_policy(p.policy)
                     pids = p.pids[upstream]
                     before = {n: cpu_seconds(pid) for n, pid in pids.items()}
@@ -347,8 +334,7 @@ def tables(results: dict[str, dict[str, PathStats]], args) -> str:
         f"{version('sglang')}, vllm-router {version('vllm')}; {platform.machine()} {os.cpu_count()} cores, "
         f'Python {platform.python_version()}. Latencies in ms; "+" is what the path adds over direct; ITL is '
         "each request's mean gap between streamed events (p50/p99 over requests); fresh connections: "
-        f"{args.fresh_requests} requests per path at concurrency {args.concurrency}. Tandem before: commit "
-        f"{args.before_commit} (`{args.before_ref}`). Load average (1 min, 2 shared cores) at start "
+        f"{args.fresh_requests} requests per path at concurrency {args.concurrency}. Load average (1 min, 2 shared cores) at start "
         f"{args.load_start:.2f}, at end {args.load_end:.2f}.",
     ]
     for scenario, stats in results.items():
@@ -400,9 +386,9 @@ def _added(stats: dict[str, PathStats], name: str, values: str) -> float:
 
 
 def verdicts(results: dict[str, dict[str, PathStats]]) -> str:
-    """Issue 14's goals against this run: Tandem's default path (ext_authz for an aggregated mesh), its ext_proc
-    path and Tandem before, each against the goal and the best peer in the same scenario."""
-    tandem = ["tandem round_robin", "tandem ext_proc round_robin", "tandem before round_robin"]
+    """Issue 14's goals against this run: Tandem's default path (ext_authz for an aggregated mesh) and its ext_proc
+    path, each against the goal and the best peer in the same scenario."""
+    tandem = ["tandem round_robin", "tandem ext_proc round_robin"]
     rows = []
 
     def row(goal: str, scenario: str, metric, target: float, unit: str, peers_too: bool = True) -> None:
@@ -444,10 +430,10 @@ def verdicts(results: dict[str, dict[str, PathStats]]) -> str:
     head = [
         "",
         "**Issue 14's goals in this run** (Tandem's default path for an aggregated mesh is ext_authz; the verdict is "
-        "for it; 'before' is the main branch's one ext_proc stream per request):",
+        "for it):",
         "",
-        "| goal | scenario | tandem (ext_authz) | tandem ext_proc | tandem before | best peer | verdict |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| goal | scenario | tandem (ext_authz) | tandem ext_proc | best peer | verdict |",
+        "|---|---|---:|---:|---:|---|",
     ]
     return "\n".join(head + rows)
 
@@ -494,9 +480,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fresh-requests", type=int, default=500, help="requests per path, fresh connections"
     )
-    parser.add_argument(
-        "--before-ref", default="main", help="the git ref of Tandem before (its Envoy + coordinator)"
-    )
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="alternations between the paths")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -509,7 +492,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.scenarios:
         args.scenarios = [s for s in SCENARIOS if SCENARIOS[s][0] or not args.stream]
-    args.before_commit = "-"
 
     from tqdm import tqdm
 
@@ -519,7 +501,6 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(counts) * len(args.paths)
     try:
         paths = bench.start()
-        args.before_commit = bench.before.commit() if bench.before else "-"
         for p in paths:
             for upstream, urls in p.urls.items():
                 model = NULL_MODEL if upstream == "null" else "tandem-sim"

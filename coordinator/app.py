@@ -147,7 +147,9 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     shared: SharedState = LocalState()
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
-    registry = RegistryService(instances, config, picker.ledger, shared, tls_on=tls is not None)
+    registry = RegistryService(
+        instances, config, picker.ledger, shared, tls_on=tls is not None, latency=picker.latency
+    )
     admin = AdminService(picker, decider.counters, mesh, shared, decider)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
@@ -163,6 +165,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     # Reflection on Envoy's :9000 is answered here, so it describes every service the listener routes.
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
     metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
+    metrics.LATENCY.watch(picker.latency, lambda: [s.info.instance_id for s in instances.all()])
     metrics.TICKETS.watch(tickets)
     metrics.TENANTS.watch(decider)
     app.on_stop(handoff.close)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import (
     BaseModel,
@@ -21,9 +22,11 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from coordinator.limits import RequestLimits
-from coordinator.scheduling import Policy, create_policy, policy_types
+from coordinator.scheduling import Policy, create_policy, pd_joint, policy_types
+from coordinator.scheduling.params import parse_params
 from coordinator.scheduling.registry import param_sections, policy_params, section_of
 from coordinator.tenants import TenantSpec, check_unique
+from coordinator.topology import PRESETS, Link, NodeLinks, Topology
 from tandem.config_file import ConfigError
 from tandem.netaddr import (
     Address,
@@ -112,6 +115,17 @@ class SchedulerConfig(BaseModel):
     prefill_rate_tokens_per_s: float = Field(default=0.0, ge=0)
     """Calibrated prefill speed of one instance, in tokens/s: between two progress reports the ledger drains each
     instance's outstanding prefill at this rate (0: progress reports alone)."""
+    pd_choice: Literal["separate", "joint", "adaptive"] = "separate"
+    """P/D modes: `separate`: the decode instance by `decode_policy`, then the prefill instance by `policy`, each on
+    its own; `joint`: the pair by predicted TTFT, KV transfer over the topology included (`pd_joint`);
+    `adaptive`: joint, and a request is served by a decode instance alone when that is predicted sooner."""
+    pd_joint: dict[str, Any] = {}
+    """Parameters of the joint choice (`coordinator/scheduling/pd_joint.py`); defaults fill the rest."""
+
+    @field_validator("pd_joint")
+    @classmethod
+    def _pd_joint_params(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        return dataclasses.asdict(parse_params(pd_joint.Params, raw, "pd_joint"))
 
     @model_validator(mode="wrap")
     @classmethod
@@ -180,6 +194,59 @@ class SchedulerConfig(BaseModel):
         return create_policy(name, self.section(section) if section else None)
 
 
+class LinkSettings(BaseModel):
+    """One kind of link of a node (`coordinator.topology.nodes.<node>.intra` or `.nic`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gbytes_per_s: float = Field(gt=0)
+    """Bandwidth in one direction, GB/s (10^9 bytes)."""
+    latency_us: float = Field(default=0.0, ge=0)
+    """Set-up time of one transfer, microseconds."""
+
+    def build(self) -> Link:
+        return Link(self.gbytes_per_s * 1e9, self.latency_us * 1e-6)
+
+
+class NodeTopology(BaseModel):
+    """Where one node sits and its links; what is not set comes from its `preset`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: Literal["ascend", "gpu"] | None = None
+    """The node's hardware links (`coordinator.topology.PRESETS`); `topology.preset` when unset."""
+    rack: str = ""
+    zone: str = ""
+    intra: LinkSettings | None = None
+    """Between the node's own accelerators (HCCS, NVLink)."""
+    nic: LinkSettings | None = None
+    """To other nodes (RoCE, InfiniBand), per accelerator."""
+
+
+class TopologySettings(BaseModel):
+    """`coordinator.topology`: what moving KV between instances costs, for the joint P/D choice."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: Literal["ascend", "gpu"] = "ascend"
+    """Links of every node the `nodes` map does not describe."""
+    nodes: dict[str, NodeTopology] = {}
+    """By node id (the `node_agents[].node_id` of the mesh file)."""
+
+    def build(self) -> Topology:
+        """The pure model of these settings."""
+        nodes = {}
+        for name, node in self.nodes.items():
+            base = PRESETS[node.preset or self.preset]
+            nodes[name] = NodeLinks(
+                intra=node.intra.build() if node.intra else base.intra,
+                nic=node.nic.build() if node.nic else base.nic,
+                rack=node.rack,
+                zone=node.zone,
+            )
+        return Topology(nodes, PRESETS[self.preset])
+
+
 class EtcdSettings(BaseModel):
     """`coordinator.etcd`: where replicas share the instance registry and drain flags."""
 
@@ -242,6 +309,8 @@ class CoordinatorConfig(BaseModel):
     """Longest prefill leg; past it the leg counts as failed."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Scheduling policy."""
+    topology: TopologySettings = TopologySettings()
+    """Nodes' places and KV transfer links (the joint P/D choice, `scheduler.pd_choice`)."""
     ticket_lifetime_s: float = Field(default=3600.0, gt=0)
     """Longest a routed request holds its workload when Envoy's access log never reports its end (the log is
     at-most-once); make it longer than the longest response."""

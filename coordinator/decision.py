@@ -268,6 +268,8 @@ class Decider:
             self.tickets.abort(ticket)
             raise
         instance = pick.target.instance.info
+        if pick.planned is not None:
+            metrics.pd_choice(pick.request.model, pick.planned, self.picker.pair)
         self.counters.routed += 1
         self.counters.tier(tenant.name if tenant is not None else "", tier)[0] += 1
         metrics.routed(instance.instance_id)

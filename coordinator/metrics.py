@@ -8,6 +8,8 @@ from collections.abc import Callable
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from coordinator.latency import LatencyBook
+from coordinator.scheduling.pd_joint import PairChoice, PdJoint
 from coordinator.workload import WorkloadLedger
 
 ROUTED = Counter("tandem_coordinator_routed_requests", "Requests routed to an engine", ["instance"])
@@ -51,6 +53,17 @@ CALLBACK_PATH_SECONDS = Histogram(
 ALS_STREAMS = Gauge(
     "tandem_coordinator_access_log_streams", "Envoy access log streams connected (0: request ends go unseen)"
 )
+PD_CHOICES = Counter(
+    "tandem_coordinator_pd_choices",
+    "Joint P/D choices (scheduler.pd_choice joint or adaptive): disaggregated, or served by a decode instance alone",
+    ["model", "choice"],
+)
+KV_TRANSFER_BYTES = Counter(
+    "tandem_coordinator_kv_transfer_bytes",
+    "KV bytes the joint P/D choice sent between instances (predicted: prompt tokens the decode instance lacked "
+    "times the model's KV bytes per token), inside a node or across nodes",
+    ["scope"],
+)
 CALLBACKS = Counter("tandem_coordinator_metaserver_callbacks", "Metaserver callbacks by outcome", ["outcome"])
 
 
@@ -80,6 +93,36 @@ class WorkloadCollector:
 
 WORKLOAD = WorkloadCollector()
 REGISTRY.register(WORKLOAD)
+
+
+class LatencyCollector:
+    """Each instance's learned step costs (`coordinator.latency`), read at scrape time."""
+
+    def __init__(self) -> None:
+        self.book: LatencyBook | None = None
+        self.instance_ids: Callable[[], list[str]] = list
+
+    def watch(self, book: LatencyBook, instance_ids: Callable[[], list[str]]) -> None:
+        """Reports this book from now on."""
+        self.book, self.instance_ids = book, instance_ids
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "tandem_coordinator_step_cost_seconds",
+            "Learned engine step costs: per step, per prompt token computed, per decoding sequence and per context "
+            "token a decoding sequence reads",
+            labels=["instance", "term"],
+        )
+        if self.book is not None:
+            for iid in self.instance_ids():
+                costs = self.book.costs(iid)
+                for term in ("step", "prefill", "decode", "context"):
+                    family.add_metric([iid, term], getattr(costs, term))
+        yield family
+
+
+LATENCY = LatencyCollector()
+REGISTRY.register(LATENCY)
 
 
 class TicketCollector:
@@ -163,3 +206,14 @@ def routed(instance_id: str) -> None:
     if child is None:
         child = _routed_children[instance_id] = ROUTED.labels(instance_id)
     child.inc()
+
+
+def pd_choice(model: str, choice: PairChoice, pair: PdJoint | None) -> None:
+    """Counts one joint P/D choice (`coordinator.scheduling.pd_joint.PairChoice`) and the KV it moves."""
+    if choice.prefill is None:
+        PD_CHOICES.labels(model, "local").inc()
+        return
+    PD_CHOICES.labels(model, "disaggregated").inc()
+    if choice.transfer_tokens and pair is not None:
+        scope = "cross_node" if choice.cross_node else "intra_node"
+        KV_TRANSFER_BYTES.labels(scope).inc(choice.transfer_tokens * pair.params.kv_bytes_per_token)

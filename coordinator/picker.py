@@ -18,13 +18,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from coordinator.config import CoordinatorConfig, PdMode
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
+from coordinator.latency import LatencyBook
 from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts
+from coordinator.scheduling.pd_joint import PairChoice, PdJoint
+from coordinator.scheduling.pd_joint import create as create_pair
 from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from coordinator.workload import Commitment, WorkloadLedger
 from tandem.chain_hash import chain_hashes
@@ -33,6 +37,13 @@ log = logging.getLogger(__name__)
 
 #: The P/D mode of a model whose prefill and decode instances all have one dispatch capability.
 _MODE_OF_DISPATCH = {"handoff": PdMode.HANDOFF, "trigger": PdMode.TRIGGER}
+
+
+class AsksFacts(Protocol):
+    """What the picker reads of a policy (or the joint P/D chooser) to ask the conductor and predict the cache."""
+
+    needs_match: bool
+    uses_predictions: bool
 
 
 @dataclass(slots=True)
@@ -58,6 +69,9 @@ class Pick:
     fallback: str | None = (
         None  # `host:port` of a second engine for Envoy's retry (aggregated, `static` cluster)
     )
+    #: Joint P/D choice (`scheduler.pd_choice`): the pair it chose (`planned.prefill` None: served by the decode
+    #: instance alone, `mode` then AGGREGATED); None under `separate`.
+    planned: PairChoice | None = None
 
     @property
     def facts(self) -> RequestFacts:
@@ -66,9 +80,13 @@ class Pick:
 
 
 def candidates(
-    states: Sequence[InstanceState], ledger: WorkloadLedger, matches: dict[str, KvMatch] | None
+    states: Sequence[InstanceState],
+    ledger: WorkloadLedger,
+    matches: dict[str, KvMatch] | None,
+    latency: LatencyBook | None = None,
 ) -> list[Candidate]:
-    """The policy's view of some instances: the ledger's figures and the conductor's facts for each."""
+    """The policy's view of some instances: the ledger's figures, the conductor's facts and the learned step costs
+    for each."""
     matches = matches or {}
     return [
         Candidate(
@@ -78,6 +96,7 @@ def candidates(
             ledger.requests(iid),
             ledger.context_tokens(iid),
             matches.get(iid, NO_MATCH),
+            latency.costs(iid) if latency is not None else None,
         )
         for s in states
         for iid in (s.info.instance_id,)
@@ -103,10 +122,20 @@ class EndpointPicker:
         self.config = config
         self.instances = instances
         self.ledger = ledger
+        #: Each instance's step costs, learned from its progress (`coordinator.latency`): the time model that
+        #: predictions of TTFT and TPOT use.
+        self.latency = LatencyBook()
         self.policy = policy  # aggregated instances and P/D prefill instances
         #: P/D decode instances: a policy like any other, seeing the decode candidates' loads and, when it asks, the
         #: conductor's facts for them (`scheduler.decode_policy`).
         self.decode_policy = decode_policy or config.scheduler.build_decode()
+        #: The joint (prefill, decode) choice, when `scheduler.pd_choice` is `joint` or `adaptive`.
+        choice = config.scheduler.pd_choice
+        self.pair: PdJoint | None = None
+        if choice != "separate":
+            self.pair = create_pair(
+                config.scheduler.pd_joint, config.topology.build(), local=choice == "adaptive"
+            )
         self.tokenizers = tokenizers
         self.matcher = matcher
         self.predicted = predicted  # prompts just routed count as cached until KV events confirm them
@@ -147,10 +176,10 @@ class EndpointPicker:
     def _candidates(
         self, states: Sequence[InstanceState], matches: dict[str, KvMatch] | None
     ) -> list[Candidate]:
-        return candidates(states, self.ledger, matches)
+        return candidates(states, self.ledger, matches, self.latency)
 
     async def _matches(
-        self, policy: Policy, request_id: str, request: OpenAIRequest, states
+        self, policy: AsksFacts, request_id: str, request: OpenAIRequest, states
     ) -> tuple[dict | None, tuple[int, ...]]:
         """The conductor's facts, with predictions merged in, and the first prompt's chain hashes."""
         if not policy.needs_match:
@@ -177,7 +206,7 @@ class EndpointPicker:
         facts = RequestFacts(request_id, request.model, request.prompt_tokens, request.max_tokens, hashes)
         return policy.pick(facts, self._candidates(states, matches)), hashes
 
-    def _predict(self, policy: Policy, leg: Leg, hashes: tuple[int, ...]) -> None:
+    def _predict(self, policy: AsksFacts, leg: Leg, hashes: tuple[int, ...]) -> None:
         if self.predicted is not None and hashes and policy.uses_predictions:
             self.predicted.routed(leg.instance.info.instance_id, hashes)
 
@@ -222,11 +251,55 @@ class EndpointPicker:
             raise OpenAIError(
                 503, f"No healthy decode instance serves the model `{model}` right now; retry later."
             )
+        if self.pair is not None:
+            return await self._decide_pair(request, request_id, mode, decodes)
         policy = self.decode_policy
         decode, hashes = await self._choose(policy, request_id, request, decodes)
         leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n), decode.match)
         self._predict(policy, leg, hashes)
         return Pick(request, request_id, mode, leg)
+
+    async def _decide_pair(
+        self, request: OpenAIRequest, request_id: str, mode: PdMode, decodes: list[InstanceState]
+    ) -> Pick:
+        """The joint choice: the pair by predicted TTFT (the prefill leg is committed when it is sent), or under
+        `adaptive` the decode instance alone, served as an aggregated request (no `kv_transfer_params`)."""
+        assert self.pair is not None
+        isl, out = request.prompt_tokens, request.max_tokens
+        prefills = self._routable(request.model, "prefill")
+        matches, hashes = await self._matches(self.pair, request_id, request, [*prefills, *decodes])
+        choice = self.pair.choose(
+            isl, self._candidates(prefills, matches), self._candidates(decodes, matches)
+        )
+        d = choice.decode
+        if choice.prefill is None:
+            matched = min(d.match.matched_tokens, isl)
+            leg = Leg(d.state, self._commit(d.state, isl - matched, out, isl + out, isl * request.n), d.match)
+            self._predict(self.pair, leg, hashes)
+            return Pick(request, request_id, PdMode.AGGREGATED, leg, matches, hashes, planned=choice)
+        leg = Leg(d.state, self._commit(d.state, 0, out, isl + out, isl * request.n), d.match)
+        self._predict(self.pair, leg, hashes)
+        return Pick(request, request_id, mode, leg, matches or {}, hashes, planned=choice)
+
+    def _pair_prefill(self, pick: Pick, states: list[InstanceState]) -> Candidate:
+        """The prefill instance of a joint pick: the planned one on the first attempt (still routable), else the
+        best one for the decode instance already chosen."""
+        assert self.pair is not None
+        planned = pick.planned.prefill if pick.planned is not None else None
+        ids = {s.info.instance_id for s in states}
+        cands = self._candidates(states, pick.matches)
+        chosen: Candidate | None
+        if planned is not None and planned.instance_id in ids:
+            chosen = next(c for c in cands if c.instance_id == planned.instance_id)
+            choice = pick.planned
+        else:
+            (decode,) = self._candidates([pick.target.instance], pick.matches)
+            choice = self.pair.prefill_for(pick.request.prompt_tokens, cands, decode)
+            chosen = choice.prefill
+            pick.planned = choice
+        assert choice is not None and chosen is not None
+        self.pair.sent(choice)
+        return chosen
 
     def _fallback(self, states: list[InstanceState], chosen: InstanceState) -> str | None:
         """The least-loaded other engine of the pick's pool: where Envoy retries if the pick refuses the request
@@ -245,12 +318,16 @@ class EndpointPicker:
         if not states:
             tried = f" ({len(exclude)} tried)" if exclude else ""
             raise OpenAIError(503, f"No healthy prefill instance serves `{request.model}` right now{tried}.")
-        policy = self.policy
+        policy: AsksFacts = self.policy
         if pick.matches is None:
             all_prefill = self._routable(request.model, "prefill")
             matches, pick.hashes = await self._matches(policy, pick.request_id, request, all_prefill)
             pick.matches = matches or {}
-        chosen = policy.pick(pick.facts, self._candidates(states, pick.matches))
+        if self.pair is not None:
+            policy = self.pair
+            chosen = self._pair_prefill(pick, states)
+        else:
+            chosen = self.policy.pick(pick.facts, self._candidates(states, pick.matches))
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
         leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)

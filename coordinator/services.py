@@ -18,6 +18,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
 from coordinator.decision import Decider, RequestCounters
 from coordinator.instances import Health, InstanceTable
+from coordinator.latency import LatencyBook
 from coordinator.ownership import ownership_problem
 from coordinator.picker import EndpointPicker
 from coordinator.redact import redact
@@ -59,10 +60,12 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         ledger: WorkloadLedger | None = None,
         shared: SharedState | None = None,
         tls_on: bool = False,
+        latency: LatencyBook | None = None,
     ) -> None:
         self.instances = instances
         self.config = config
         self.ledger = ledger  # follows each instance's progress counters, as heartbeats carry them
+        self.latency = latency  # learns each instance's step costs from what the ledger saw done
         self.shared = shared or LocalState()  # where other replicas learn what this one hears
         self.tls_on = tls_on
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
@@ -112,9 +115,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 await self._check_owner(context, "Heartbeat", beat.instance_id)
                 health = HEALTH_NAMES.get(beat.health, Health.UNHEALTHY)
                 load = load_from_proto(beat.load)
+                before = self.instances.get(beat.instance_id)
+                was_busy = before is not None and before.load.running > 0
                 known = self.instances.heartbeat(beat.instance_id, health, load)
                 if known and load.progress and self.ledger is not None:
-                    self.ledger.engine_progress(beat.instance_id, load.progress)
+                    done = self.ledger.engine_progress(beat.instance_id, load.progress)
+                    if self.latency is not None:
+                        self.latency.observe(beat.instance_id, done, was_busy and load.running > 0)
                 if known:
                     self.shared.reported(beat.instance_id, health, load)
                 yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=known)
@@ -127,6 +134,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     ) -> registry_pb2.DeregisterResponse:
         await self._check_owner(context, "Deregister", request.instance_id)
         state = self.instances.deregister(request.instance_id)
+        if self.latency is not None:
+            self.latency.forget(request.instance_id)
         self.shared.deregistered(request.instance_id)
         publish_instance_counts(self.instances)
         log.info("deregistered", extra={"instance": request.instance_id, "reason": request.reason})

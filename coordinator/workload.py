@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from coordinator.latency import Interval
+
 
 @dataclass(slots=True, eq=False)
 class Commitment:
@@ -179,11 +181,15 @@ class WorkloadLedger:
             raise ValueError(f"prefill rate must be >= 0, got {tokens_per_s}")
         self._track(instance_id).rate = tokens_per_s
 
-    def engine_progress(self, instance_id: str, counters: Mapping[int, tuple[float, float]]) -> None:
+    def engine_progress(
+        self, instance_id: str, counters: Mapping[int, tuple[float, float]]
+    ) -> Interval | None:
         """Applies one report of an instance's counters: per DP rank, (`vllm:prompt_tokens_total`,
-        `vllm:generation_tokens_total`)."""
+        `vllm:generation_tokens_total`). Returns what the instance did since its previous report (for the
+        latency model, `coordinator.latency`), None for a first report or after a restart."""
         now = self.clock()
         track = self._track(instance_id)
+        decoding_before = [c for c in track.decoding.values() if not c.released]
         prompt_growth = generation_growth = 0
         restarted = False
         for rank, (prompt, generation) in counters.items():
@@ -204,12 +210,24 @@ class WorkloadLedger:
             for c in lost:
                 self._leave_pending(track, c)
         self._expire_markers(track, now)
-        if prompt_growth:
-            self._apply_prompt(track, prompt_growth)
+        computed, firsts = self._apply_prompt(track, prompt_growth) if prompt_growth else (0, 0)
         if generation_growth:
             self._apply_generation(track, generation_growth)
-        track.reported_at = now
+        since, track.reported_at = track.reported_at, now
         track.anchor = now
+        if since is None or restarted:
+            return None
+        before = {id(c) for c in decoding_before}
+        started = [c for c in track.decoding.values() if id(c) not in before]
+        contexts = [c.context_tokens - (c.decode_tokens - c.decode_done) for c in decoding_before + started]
+        return Interval(
+            seconds=now - since,
+            prefill_tokens=computed,
+            generated=max(0, generation_growth - firsts),  # a leg's first token comes with its prefill
+            decoding=len(decoding_before)
+            + len(started) / 2,  # legs that started meanwhile decoded half of it
+            mean_context=sum(contexts) / len(contexts) if contexts else 0.0,
+        )
 
     def forget_progress(self, instance_id: str) -> None:
         """The instance was registered anew: its next report sets a new baseline."""
@@ -231,14 +249,20 @@ class WorkloadLedger:
                 c for c in track.pending if not (c.released and c.released_at < limit)
             )
 
-    def _apply_prompt(self, track: _Progress, growth: int) -> None:
+    def _apply_prompt(self, track: _Progress, growth: int) -> tuple[int, int]:
+        """Takes the prefill of legs the growth covers off, in routing order; returns their uncached tokens and
+        how many legs they were."""
         credit = track.credit + growth
         pending = track.pending
+        computed = legs = 0
         while pending and credit >= pending[0].prompt_tokens:
             c = pending[0]
             credit -= c.prompt_tokens
+            computed += c.prefill_tokens
+            legs += 1
             self._leave_pending(track, c)
         track.credit = credit if pending else 0
+        return computed, legs
 
     def _apply_generation(self, track: _Progress, growth: int) -> None:
         decoding = [c for c in track.decoding.values() if not c.released]
@@ -282,6 +306,15 @@ class WorkloadLedger:
     def tokens(self, instance_id: str) -> int:
         """All tokens of work left on `instance_id`: prefill plus decode."""
         return self.prefill_tokens(instance_id) + self._decode.get(instance_id, 0)
+
+    def decoding(self, instance_id: str) -> tuple[int, float]:
+        """Legs past their prefill and still generating on `instance_id`, and their mean context in tokens (both
+        0 without progress reports)."""
+        track = self._progress.get(instance_id)
+        legs = [c for c in track.decoding.values() if not c.released] if track is not None else []
+        if not legs:
+            return 0, 0.0
+        return len(legs), sum(c.context_tokens - (c.decode_tokens - c.decode_done) for c in legs) / len(legs)
 
     def requests(self, instance_id: str) -> int:
         """Request legs in flight on `instance_id`."""

@@ -168,6 +168,17 @@ class MeshConfig(BaseModel):
     """The file the config came from (set by `load_mesh_config`)."""
 
     @model_validator(mode="after")
+    def _topology_names_nodes(self) -> MeshConfig:
+        nodes = {a.node_id for a in self.node_agents}
+        for name in self.coordinator.topology.nodes:
+            if nodes and name not in nodes:
+                raise ValueError(
+                    f"coordinator.topology.nodes.{name}: no node agent has node_id {name!r} "
+                    f"(known: {', '.join(sorted(nodes))})"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _metaserver_reachable(self) -> MeshConfig:
         if self.coordinator.metaserver_address is None and is_wildcard(
             split_host_port(self.envoy.callback_listen)[0]

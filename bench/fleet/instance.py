@@ -84,6 +84,7 @@ class SimInstance:
         self.prompt_counter = 0
         self.generation_counter = 0
         self.dead = False  # the engine process died (its pending step ends are ignored)
+        self.speed = 1.0  # relative to the profile (a mixed fleet's slower accelerator: below 1)
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -100,9 +101,10 @@ class SimInstance:
             return None
         self._out = out
         self.busy = True
-        return self.profile.step_s(
+        step = self.profile.step_s(
             out.prefill_chunks, out.num_decode, out.decode_context, out.load_tokens_cpu, out.load_tokens_disk
         )
+        return step / self.speed
 
     def end_step(self) -> list[Request]:
         """Applies the step: requests with a new token (finished ones included); publishes its KV events."""

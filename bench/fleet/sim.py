@@ -23,6 +23,7 @@ from bench.replay import percentile
 from conductor.index import KvIndex
 from conductor.match import match as conductor_match
 from coordinator.kv_match import best_rank_match
+from coordinator.latency import LatencyBook, mean_abs_error, ttft_s
 from coordinator.picker import candidates
 from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import KvMatch, RequestFacts, create_policy
@@ -74,6 +75,9 @@ class FleetConfig:
     policy: str = "kv_affinity"  # scheduling policy type (coordinator.scheduling)
     params: Mapping[str, Any] | None = None  # the policy's parameters
     engine: EngineSpec = EngineSpec()  # every engine's options
+    #: Relative speed of each instance by index (a mixed fleet: 0.5 takes twice as long for every step); instances
+    #: beyond the tuple run at 1.0.
+    speeds: tuple[float, ...] = ()
     #: How often engine load and progress counters reach the coordinator (the node agent's `load_interval_s`);
     #: None: the policy's real system's (`PEER_DEFAULTS`), else 0.25 s.
     load_interval_s: float | None = None
@@ -126,6 +130,9 @@ class FleetResult:
     residual_tokens: int = 0  # tokens left on the ledger after the last request ended (drift)
     residual_requests: int = 0
     preemptions: int = 0
+    #: (predicted, actual) TTFT of measured requests on the instance chosen: the latency model
+    #: (`coordinator.latency`) learned from the progress counters, predicting at routing time.
+    ttft_predictions: list = field(default_factory=list)
     #: NPU blocks evicted from the engines' prefix caches while measured requests arrived, and those requests.
     evictions: int = 0
     measured: int = 0
@@ -169,6 +176,11 @@ class FleetResult:
     def evictions_per_request(self) -> float:
         return self.evictions / self.measured if self.measured else float("nan")
 
+    @property
+    def ttft_prediction_error(self) -> float:
+        """Mean |predicted - actual| / actual TTFT over measured requests (NaN without predictions)."""
+        return mean_abs_error(self.ttft_predictions) if self.ttft_predictions else float("nan")
+
     def slo_share(self, slo_s: float) -> float:
         total = len(self.ttft_s) + self.rejected
         return sum(t <= slo_s for t in self.ttft_s) / total if total else float("nan")
@@ -198,10 +210,14 @@ class Fleet:
         self.instances = [self._instance(i) for i in range(cfg.instances)]
         self.ledger = self._ledger()
         self.predicted = self._predicted()
+        self.latency = LatencyBook(budget=cfg.engine.max_num_batched_tokens)
         self.result = FleetResult()
 
     def _instance(self, i: int) -> SimInstance:
-        return SimInstance(f"sim-{i}", self.cfg.model, self.cfg.engine, self.sampler, self.index)
+        inst = SimInstance(f"sim-{i}", self.cfg.model, self.cfg.engine, self.sampler, self.index)
+        if i < len(self.cfg.speeds):
+            inst.speed = self.cfg.speeds[i]
+        return inst
 
     def _clock(self) -> float:
         return self.now
@@ -236,7 +252,7 @@ class Fleet:
                 ids = [inst.state.info.instance_id for inst in self.instances]
                 matches = self.predicted.overlay(hashes, matches, ids, self.cfg.engine.block_size)
         t1 = time.perf_counter()
-        pool = candidates([inst.state for inst in self.instances], self.ledger, matches)
+        pool = candidates([inst.state for inst in self.instances], self.ledger, matches, self.latency)
         t2 = time.perf_counter()
         chosen = self.policy.pick(facts, pool)
         t3 = time.perf_counter()
@@ -248,7 +264,17 @@ class Fleet:
         r.decisions += 1
         if r.decisions > self.cfg.warmup:
             self._sample_signal(pool)
-        return self.instances[int(chosen.instance_id[4:])], min(chosen.match.matched_tokens, facts.isl)
+        matched = min(chosen.match.matched_tokens, facts.isl)
+        decoding, context = self.ledger.decoding(chosen.instance_id)
+        self._predicted_ttft = ttft_s(
+            self.latency.costs(chosen.instance_id),
+            chosen.prefill_tokens,
+            facts.isl - matched,
+            decoding,
+            context,
+            self.cfg.engine.max_num_batched_tokens,
+        )
+        return self.instances[int(chosen.instance_id[4:])], matched
 
     def _sample_signal(self, pool) -> None:
         r, truth = self.result, self._true_prefill
@@ -362,6 +388,7 @@ class Fleet:
                         inst.prompt_counter += len(req.prompt_token_ids)
                         if measured:
                             r.ttft_s.append(now - a.at_s)
+                            r.ttft_predictions.append((entry[7], now - a.at_s))
                             r.queries += len(req.prompt_token_ids)
                             r.hits += max(req.num_cached_tokens, 0)
                         if open_:
@@ -412,7 +439,9 @@ class Fleet:
                     SamplingParams(max_tokens=a.output_len, ignore_eos=True, seed_key=a.key),
                     arrival_time=a.at_s,
                 )
-                live[id(req)] = [commitment, a, inst, ordinal > cfg.warmup, True, self.ledger, req]
+                live[id(req)] = [
+                    commitment, a, inst, ordinal > cfg.warmup, True, self.ledger, req, self._predicted_ttft
+                ]  # fmt: skip
                 if faults.abort_share and aborts.random() < faults.abort_share:
                     push(now + aborts.uniform(0.0, faults.abort_within_s), _FAULT, ("abort", req))
                 delay = cfg.route_delay_s + (
@@ -424,11 +453,14 @@ class Fleet:
                 self._enqueue(inst, req, now, push)
             elif kind == _LOAD:
                 for inst in self.instances:
+                    was_busy = inst.state.load.running > 0
                     inst.report_load(now)
                     if signal == "counter":
-                        self.ledger.engine_progress(
-                            inst.state.info.instance_id, {0: (inst.prompt_counter, inst.generation_counter)}
+                        iid = inst.state.info.instance_id
+                        interval = self.ledger.engine_progress(
+                            iid, {0: (inst.prompt_counter, inst.generation_counter)}
                         )
+                        self.latency.observe(iid, interval, was_busy and inst.state.load.running > 0)
                 if pending > 0:
                     push(now + load_interval, _LOAD, None)
             elif kind == _DELIVER:

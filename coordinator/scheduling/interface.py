@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from coordinator.instances import InstanceState
 from coordinator.kv_facts import NO_MATCH, KvMatch
+from coordinator.latency import StepCosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class Candidate:
     inflight: int  # requests in flight on it through this coordinator
     context_tokens: int = 0  # prompt plus output tokens of its requests in flight (KV footprint)
     match: KvMatch = NO_MATCH  # NO_MATCH when the policy asks for none or the conductor gave no answer
+    costs: StepCosts | None = None  # its learned step costs (`coordinator.latency`); None when not known
 
     @property
     def instance_id(self) -> str:

@@ -197,3 +197,50 @@ async def test_a_kv_aware_decode_policy_sees_the_conductors_facts_for_the_decode
     by_load = decode_picker(RecordingMatcher("d0"))
     await by_load.decide("completions", body(prompt="x " * 100), "b")
     assert by_load.matcher.asked == []  # least load asks the conductor nothing
+
+
+# -- the joint P/D choice (scheduler.pd_choice) --------------------------------------------------------------------
+
+
+def pair_picker(choice: str) -> EndpointPicker:
+    """Handoff instances of model `m` on two nodes: `p1`, `d1` on n1 and `p2`, `d2` on n2; `p1` is busy."""
+    table = InstanceTable(["m"])
+    for iid, role, node in (("p1", "prefill", "n1"), ("d1", "decode", "n1"), ("p2", "prefill", "n2"),
+                            ("d2", "decode", "n2")):  # fmt: skip
+        table.register(InstanceInfo(iid, "m", "127.0.0.1:1", role, "handoff", node_id=node))
+    config = CoordinatorConfig(scheduler={"policy": "least_load", "pd_choice": choice})
+    picker = EndpointPicker(
+        config, table, WorkloadLedger(), config.scheduler.build(), TokenizerCache({}, load_tokenizer)
+    )
+    picker.ledger.commit("p1", 20_000, 0, 20_000, 0)
+    return picker
+
+
+async def test_the_joint_choice_pairs_the_idle_prefill_instance_with_a_decode_instance_on_its_node():
+    picker = pair_picker("joint")
+    pick = await picker.decide("completions", body(prompt="x " * 500), "a")
+    assert pick.mode == PdMode.HANDOFF and pick.target.instance.info.instance_id == "d2"
+    assert pick.planned.prefill.instance_id == "p2" and not pick.planned.cross_node
+    leg = await picker.pick_prefill(pick, set())
+    assert leg.instance.info.instance_id == "p2"
+    assert picker.ledger.prefill_tokens("p2") == pick.request.prompt_tokens  # committed when sent
+    retry = await picker.pick_prefill(pick, {"p2"})  # the planned one failed: the best other for d2
+    assert retry.instance.info.instance_id == "p1" and pick.planned.cross_node
+
+
+async def test_adaptive_serves_a_short_prompt_on_a_decode_instance_alone():
+    picker = pair_picker("adaptive")
+    for iid in ("d1", "d2"):  # decode instances with sequences running
+        picker.ledger.commit(iid, 0, 2000, 4000, 0)
+    short = await picker.decide("completions", body(prompt="hi"), "s")
+    assert short.mode == PdMode.AGGREGATED and short.planned.prefill is None
+    iid = short.target.instance.info.instance_id
+    assert iid in ("d1", "d2") and picker.ledger.prefill_tokens(iid) == short.request.prompt_tokens
+    long = await picker.decide("completions", body(prompt="x " * 3000), "l")
+    assert long.mode == PdMode.HANDOFF and long.planned.prefill.instance_id == "p2"
+
+
+async def test_separate_choice_is_the_default_and_plans_nothing():
+    picker = decode_picker()
+    assert picker.pair is None
+    assert (await picker.decide("completions", body(prompt="x"), "a")).planned is None

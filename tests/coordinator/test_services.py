@@ -4,6 +4,7 @@ Metaserver errors on loopback as gRPC callers see them."""
 from __future__ import annotations
 
 import grpc
+import prometheus_client
 import pytest
 import yaml
 
@@ -162,5 +163,46 @@ async def test_heartbeat_progress_takes_prefill_off_the_ledger(monkeypatch):
             (stats,) = (await admin.GetStats(admin_pb2.GetStatsRequest())).instances
             assert (stats.prefill_tokens, stats.inflight_requests) == (0, 1)
             assert stats.decode_tokens == 19
+    finally:
+        await coordinator.app.server.stop(0)
+
+
+async def test_busy_heartbeats_teach_the_latency_model_and_metrics_show_it(monkeypatch):
+    monkeypatch.setenv("TANDEM_NO_BANNER", "1")
+    config = mesh_config(engines=1)
+    config["node_agents"] = []
+    coordinator = build(parse_mesh_config(config, "mesh.yaml"))
+    now = [0.0]
+    ledger = coordinator.picker.ledger
+    ledger.clock = lambda: now[0]
+    book = coordinator.picker.latency
+    await coordinator.app.start()
+    try:
+        async with grpc.aio.insecure_channel(config["coordinator"]["listen"]) as ch:
+            registry = registry_pb2_grpc.RegistryStub(ch)
+            await registry.Register(registry_pb2.RegisterRequest(instance=instance()))
+
+            def beat(prompt: int, generation: int, running: int) -> registry_pb2.HeartbeatRequest:
+                progress = common_pb2.RankProgress(
+                    dp_rank=0, prompt_tokens_total=prompt, generation_tokens_total=generation
+                )
+                load = common_pb2.InstanceLoad(running_requests=running, progress=[progress])
+                return registry_pb2.HeartbeatRequest(
+                    instance_id="i0", health=common_pb2.HEALTH_HEALTHY, load=load
+                )
+
+            async def beats():
+                yield beat(0, 0, 1)  # baseline
+                for k in range(1, 13):  # 3 s busy: each quarter second one 1,000-token prefill done
+                    ledger.commit("i0", 1000, 1, 1001, prompt_tokens=1000)
+                    now[0] = k * 0.25
+                    yield beat(1000 * k, k, 1)
+
+            async for _ in registry.Heartbeat(beats()):
+                pass
+        assert book.observed("i0") == 1  # one window of 2 s
+        assert book.costs("i0").prefill > book.prior.prefill  # 4,000 tokens/s: slower than the prior's 10,000
+        text = prometheus_client.generate_latest().decode()
+        assert 'tandem_coordinator_step_cost_seconds{instance="i0",term="prefill"}' in text
     finally:
         await coordinator.app.server.stop(0)

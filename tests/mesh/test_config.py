@@ -69,6 +69,23 @@ def test_default_config_loads():
             "conductor: replica_addresses: '0.0.0.0:9200'",
         ),
         ({"envoy": {"grpc_listen": "0.0.0.0:9000"}}, "envoy: grpc_address: required when grpc_listen"),
+        (
+            {"coordinator": {"topology": {"nodes": {"n1": {"nic": {"gbytes_per_s": 0}}}}}},
+            "coordinator.topology.nodes.n1.nic.gbytes_per_s",
+        ),
+        (
+            {"coordinator": {"topology": {"nodes": {"n1": {"preset": "tpu"}}}}},
+            "coordinator.topology.nodes.n1.preset",
+        ),
+        (
+            {
+                "coordinator": {"topology": {"nodes": {"n9": {"rack": "r1"}}}},
+                "node_agents": [{"node_id": "n1", "engines": []}],
+            },
+            "coordinator.topology.nodes.n9: no node agent has node_id 'n9' (known: n1)",
+        ),
+        ({"coordinator": {"scheduler": {"pd_choice": "sometimes"}}}, "coordinator.scheduler.pd_choice"),
+        ({"coordinator": {"scheduler": {"pd_joint": {"top_k": 0}}}}, "top_k: must be >= 1"),
         ([1, 2], "expected a mapping"),
         (
             {"envoy": {"decision": "ext_authz"}, "coordinator": {"engine_priority": True}},

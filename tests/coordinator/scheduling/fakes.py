@@ -23,9 +23,12 @@ def cand(
     running: int = 0,
     waiting: int = 0,
     kv_usage: float = 0.0,
+    role: str = "hybrid",
+    node: str = "",
 ) -> Candidate:
+    dispatch = "aggregated" if role == "hybrid" else "handoff"
     info = InstanceInfo(
-        iid, "m", f"127.0.0.1:{8000 + len(iid)}", "hybrid", "aggregated", block_size=block_size
+        iid, "m", f"127.0.0.1:{8000 + len(iid)}", role, dispatch, node_id=node, block_size=block_size
     )
     state = InstanceState(info=info, load=EngineLoad(running, waiting, kv_usage))
     return Candidate(state, prefill, decode, inflight, context, KvMatch(npu, cpu, disk, block_size))

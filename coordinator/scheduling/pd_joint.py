@@ -1,0 +1,214 @@
+"""`pd_joint`: the prefill and decode instances of a P/D request chosen together, by predicted TTFT, and, in its
+adaptive form, whether to disaggregate the request at all (pure core).
+
+For a pair (P, D), with the learned step costs of each (`coordinator.latency`; the prior where none is learned):
+
+    ttft(P, D) = prefill(P) + transfer(P -> D) + first_step(D)
+
+- `prefill(P)`: `latency.ttft_s` on P: its queued prefill plus this prompt's tokens P has not cached (the
+  conductor's exclusive tiers, as aggregated scoring counts them);
+- `transfer(P -> D)`: the KV of the prompt tokens D does not hold already (vLLM's decode side pulls only the blocks
+  its own prefix cache lacks), `kv_bytes_per_token` each, over the link between their nodes
+  (`coordinator.topology`) shared with the transfers already in flight on it;
+- `first_step(D)`: one decode step of D's batch with this request added (`latency.tpot_s`).
+
+A decode instance whose KV cache is fuller than `max_kv_usage` (its engine's `vllm:kv_cache_usage_perc`) cannot
+take the request and is not a candidate (unless every one is that full: then the least full ones are). To keep the
+decision cheap, only the `top_k` prefill instances by `prefill(P)` and the `top_k` decode instances by
+`first_step(D)` plus the transfer they would need from the fastest link are paired: at most `top_k`^2 pairs.
+
+With `local` (the adaptive form, `scheduler.pd_choice: adaptive`), serving the request on a decode instance alone (no transfer, vLLM decodes
+a request that comes without `kv_transfer_params` itself) is a candidate too, at
+
+    ttft_local(D) = latency.ttft_s(D)  +  interference * prefill_time(D)    (second term only while D decodes)
+
+where the second term charges the stall the prefill puts into the inter-token gap of the sequences decoding
+there (each waits about the prefill's time once): the local choice wins for short uncached prompts (no transfer,
+no second engine's step), prompts mostly cached on a decode instance, and when the prefill pool is saturated
+while a decode instance has slack.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.latency import DEFAULT_PRIOR, StepCosts, tpot_s, ttft_s
+from coordinator.scheduling.interface import Candidate
+from coordinator.scheduling.params import parse_params
+from coordinator.topology import Topology, Transfers
+
+TYPE = "pd_joint"
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """See the module docstring."""
+
+    top_k: int = 4
+    #: KV bytes per prompt token (Llama-3.1-8B in BF16: 2 x 32 layers x 8 KV heads x 128 dims x 2 bytes).
+    kv_bytes_per_token: int = 131072
+    max_kv_usage: float = 0.95
+    interference: float = 1.0
+    #: Token budget per engine step (vLLM `--max-num-batched-tokens`), for the steps a prefill takes.
+    step_budget: int = 8192
+
+    def check(self) -> str | None:
+        if self.top_k < 1:
+            return f"top_k: must be >= 1, got {self.top_k}"
+        if not 0 < self.max_kv_usage <= 1:
+            return f"max_kv_usage: must be in (0, 1], got {self.max_kv_usage}"
+        if self.kv_bytes_per_token < 1:
+            return f"kv_bytes_per_token: must be >= 1, got {self.kv_bytes_per_token}"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class PairChoice:
+    """Where a P/D request goes: `prefill` None means served by `decode` alone."""
+
+    prefill: Candidate | None
+    decode: Candidate
+    ttft_s: float  # predicted
+    transfer_s: float  # predicted KV transfer time (0 when local)
+    transfer_tokens: int  # prompt tokens whose KV moves (0 when local)
+    cross_node: bool  # the transfer leaves the prefill instance's node
+
+
+def _costs(c: Candidate) -> StepCosts:
+    return c.costs if c.costs is not None else DEFAULT_PRIOR
+
+
+def _batch(c: Candidate) -> tuple[int, float]:
+    """Sequences decoding on a candidate and their mean context (its legs in flight through this coordinator)."""
+    return c.inflight, (c.context_tokens / c.inflight if c.inflight else 0.0)
+
+
+def _uncached(c: Candidate, isl: int) -> int:
+    return max(0, isl - min(c.match.matched_tokens, isl))
+
+
+class PdJoint:
+    """See the module docstring."""
+
+    name = TYPE
+    needs_match = True
+    uses_predictions = True
+
+    def __init__(
+        self,
+        params: Params = Params(),
+        topology: Topology | None = None,
+        local: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.params = params
+        self.topology = topology or Topology()
+        self.local = local
+        self.clock = clock
+        self.transfers = Transfers()
+
+    def prefill_s(self, c: Candidate, isl: int) -> float:
+        """Predicted time until `c` has computed this prompt (queue included)."""
+        batch, context = _batch(c) if c.state.info.role != "prefill" else (0, 0.0)
+        return ttft_s(_costs(c), c.prefill_tokens, _uncached(c, isl), batch, context, self.params.step_budget)
+
+    def first_step_s(self, d: Candidate, isl: int) -> float:
+        """Predicted time of `d`'s first decode step with this request in its batch."""
+        batch, context = _batch(d)
+        return tpot_s(_costs(d), batch, context, isl)
+
+    def transfer(self, p: Candidate, d: Candidate, isl: int) -> tuple[float, int, bool]:
+        """Predicted transfer time P -> D, the tokens moved, and whether it crosses nodes."""
+        tokens = _uncached(d, isl)
+        link, keys = self.topology.link(p.state.info.node_id, d.state.info.node_id)
+        cross = self.topology.cross_node(p.state.info.node_id, d.state.info.node_id)
+        if not tokens:
+            return 0.0, 0, cross
+        nbytes = tokens * self.params.kv_bytes_per_token
+        return link.seconds(nbytes, self.transfers.sharing(keys, self.clock())), tokens, cross
+
+    def local_s(self, d: Candidate, isl: int) -> float:
+        """Predicted cost of serving the request on `d` alone: its TTFT plus the stall charged to its batch."""
+        costs = _costs(d)
+        batch, context = _batch(d)
+        own = costs.prefill * _uncached(d, isl)
+        ttft = ttft_s(costs, d.prefill_tokens, _uncached(d, isl), batch, context, self.params.step_budget)
+        return ttft + (self.params.interference * own if batch else 0.0)
+
+    def decode_pool(self, decodes: Sequence[Candidate]) -> list[Candidate]:
+        """Decode candidates with room in their KV cache (the least full ones when none has)."""
+        limit = self.params.max_kv_usage
+        roomy = [d for d in decodes if d.state.load.kv_cache_usage < limit]
+        if roomy:
+            return roomy
+        least = min(d.state.load.kv_cache_usage for d in decodes)
+        return [d for d in decodes if d.state.load.kv_cache_usage == least]
+
+    def choose(self, isl: int, prefills: Sequence[Candidate], decodes: Sequence[Candidate]) -> PairChoice:
+        """The pair (or, with `local`, the lone decode instance) with the lowest predicted TTFT; ties go to the
+        instance ids in order. At least one decode candidate is required; without prefill candidates the request
+        is served locally."""
+        if not decodes:
+            raise ValueError("choose needs at least one decode candidate")
+        p = self.params
+        pool = self.decode_pool(decodes)
+        fastest = min(
+            (self.topology.of(d.state.info.node_id).intra.bandwidth for d in pool), default=math.inf
+        )
+        ps = sorted(prefills, key=lambda c: (self.prefill_s(c, isl), c.instance_id))[: p.top_k]
+        ds = sorted(
+            pool,
+            key=lambda d: (
+                self.first_step_s(d, isl) + _uncached(d, isl) * p.kv_bytes_per_token / fastest,
+                d.instance_id,
+            ),
+        )[: p.top_k]
+        best: tuple[tuple[float, str, str], PairChoice] | None = None
+        for pc in ps:
+            before = self.prefill_s(pc, isl)
+            for dc in ds:
+                moved_s, tokens, cross = self.transfer(pc, dc, isl)
+                ttft = before + moved_s + self.first_step_s(dc, isl)
+                key = (ttft, pc.instance_id, dc.instance_id)
+                if best is None or key < best[0]:
+                    best = (key, PairChoice(pc, dc, ttft, moved_s, tokens, cross))
+        if self.local or not ps:
+            for dc in ds:
+                cost = self.local_s(dc, isl)
+                key = (cost, "", dc.instance_id)
+                if best is None or key < best[0]:
+                    best = (key, PairChoice(None, dc, cost, 0.0, 0, False))
+        assert best is not None
+        return best[1]
+
+    def prefill_for(self, isl: int, prefills: Sequence[Candidate], decode: Candidate) -> PairChoice:
+        """The prefill instance for a decode instance already chosen (trigger mode's callback, a retried handoff
+        leg): the lowest `prefill(P) + transfer(P -> D)`; never local (the decode engine is already waiting)."""
+        if not prefills:
+            raise ValueError("prefill_for needs at least one prefill candidate")
+        best: tuple[tuple[float, str], PairChoice] | None = None
+        for pc in prefills:
+            moved_s, tokens, cross = self.transfer(pc, decode, isl)
+            ttft = self.prefill_s(pc, isl) + moved_s + self.first_step_s(decode, isl)
+            if best is None or (ttft, pc.instance_id) < best[0]:
+                best = ((ttft, pc.instance_id), PairChoice(pc, decode, ttft, moved_s, tokens, cross))
+        assert best is not None
+        return best[1]
+
+    def sent(self, choice: PairChoice) -> None:
+        """The pair's prefill leg is on its way: its transfer shares its link until it is predicted done."""
+        if choice.prefill is None or not choice.transfer_tokens:
+            return
+        _, keys = self.topology.link(choice.prefill.state.info.node_id, choice.decode.state.info.node_id)
+        self.transfers.start(keys, self.clock() + choice.ttft_s)
+
+
+def create(
+    raw: Mapping[str, Any] | None = None, topology: Topology | None = None, local: bool = False
+) -> PdJoint:
+    """A joint chooser from raw parameters (`local`: the adaptive form)."""
+    return PdJoint(parse_params(Params, raw, TYPE), topology, local)

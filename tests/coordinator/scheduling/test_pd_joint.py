@@ -1,0 +1,131 @@
+"""The joint (prefill, decode) choice: predicted TTFT with transfer cost, KV room, and local serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.latency import StepCosts
+from coordinator.scheduling.pd_joint import PdJoint, create
+from coordinator.topology import PRESETS, Link, NodeLinks, Topology
+from tests.coordinator.scheduling.fakes import cand
+
+COSTS = StepCosts(step=0.01, prefill=1e-4, decode=1e-4, context=0.0)
+ISL = 4096
+
+
+def p(iid: str, node: str = "n1", **kw):
+    c = cand(iid, role="prefill", node=node, **kw)
+    return type(c)(c.state, c.prefill_tokens, c.decode_tokens, c.inflight, c.context_tokens, c.match, COSTS)
+
+
+def d(iid: str, node: str = "n1", **kw):
+    c = cand(iid, role="decode", node=node, **kw)
+    return type(c)(c.state, c.prefill_tokens, c.decode_tokens, c.inflight, c.context_tokens, c.match, COSTS)
+
+
+def test_the_prefill_instance_with_the_prompt_cached_wins_until_its_queue_costs_more():
+    joint = create()
+    choice = joint.choose(ISL, [p("p0", npu=200), p("p1")], [d("d0")])  # 3,200 of 4,096 tokens cached on p0
+    assert choice.prefill.instance_id == "p0"
+    choice = joint.choose(ISL, [p("p0", npu=200, prefill=8000), p("p1")], [d("d0")])
+    assert choice.prefill.instance_id == "p1"
+
+
+def test_a_decode_instance_on_the_prefill_node_wins_over_one_across_the_network():
+    joint = create()
+    choice = joint.choose(ISL, [p("p0", node="n1")], [d("d-far", node="n2"), d("d-near", node="n1")])
+    assert (choice.decode.instance_id, choice.cross_node) == ("d-near", False)
+    far = joint.transfer(p("p0", node="n1"), d("d-far", node="n2"), ISL)
+    near = joint.transfer(p("p0", node="n1"), d("d-near", node="n1"), ISL)
+    nbytes = ISL * 131072
+    assert far == (pytest.approx(50e-6 + nbytes / 25e9), ISL, True)  # Ascend RoCE, 25 GB/s
+    assert near == (pytest.approx(20e-6 + nbytes / 56e9), ISL, False)  # HCCS, 56 GB/s
+
+
+def test_blocks_the_decode_instance_holds_are_not_moved():
+    joint = create()
+    seconds, tokens, _ = joint.transfer(p("p0"), d("d0", npu=100), ISL)
+    assert tokens == ISL - 1600
+
+
+def test_transfers_in_flight_share_the_link_until_their_predicted_end():
+    now = [0.0]
+    joint = PdJoint(topology=Topology(), clock=lambda: now[0])
+    alone, _, _ = joint.transfer(p("p0", node="n1"), d("d0", node="n2"), ISL)
+    for _ in range(2):
+        joint.sent(joint.choose(ISL, [p("p1", node="n3")], [d("d1", node="n2")]))  # into n2's NIC
+    shared, _, _ = joint.transfer(p("p0", node="n1"), d("d0", node="n2"), ISL)
+    assert shared - 50e-6 == pytest.approx(3 * (alone - 50e-6))
+    assert joint.transfers.in_flight(now[0]) == 4  # two transfers, each on two NICs
+    now[0] = 10.0
+    assert joint.transfers.in_flight(now[0]) == 0
+
+
+def test_a_decode_instance_without_free_kv_is_never_chosen():
+    joint = create()
+    choice = joint.choose(ISL, [p("p0")], [d("d-full", kv_usage=0.97, node="n1"), d("d-room", node="n2")])
+    assert choice.decode.instance_id == "d-room"  # even across nodes
+    # every decode instance full: the least full ones still serve (vLLM queues the request)
+    choice = joint.choose(ISL, [p("p0")], [d("d1", kv_usage=0.99), d("d2", kv_usage=0.97)])
+    assert choice.decode.instance_id == "d2"
+
+
+def test_adaptive_serves_short_prompts_locally_and_long_ones_disaggregated():
+    adaptive = create(local=True)
+    busy = d("d0", inflight=32, context=32 * 1000)
+    short = adaptive.choose(64, [p("p0")], [busy])
+    assert short.prefill is None and short.transfer_tokens == 0
+    long = adaptive.choose(ISL, [p("p0")], [busy])  # its 32 sequences would each wait ~0.4 s
+    assert long.prefill is not None and long.prefill.instance_id == "p0"
+    assert create().choose(64, [p("p0")], [busy]).prefill is not None  # pd_joint alone always disaggregates
+
+
+def test_adaptive_serves_locally_when_the_prefill_pool_is_saturated_and_a_decoder_is_idle():
+    adaptive = create(local=True)
+    choice = adaptive.choose(ISL, [p("p0", prefill=60_000), p("p1", prefill=60_000)], [d("d0")])
+    assert choice.prefill is None and choice.decode.instance_id == "d0"
+
+
+def test_the_search_is_bounded_to_the_top_k_of_each_side():
+    joint = create({"top_k": 1})
+    prefills = [p(f"p{i}", prefill=1000 * i) for i in range(6)]
+    decodes = [d(f"d{i}", inflight=i, context=500 * i) for i in range(6)]
+    seen: list[tuple[str, str]] = []
+    original = PdJoint.transfer
+
+    def counting(self, pc, dc, isl):
+        seen.append((pc.instance_id, dc.instance_id))
+        return original(self, pc, dc, isl)
+
+    PdJoint.transfer = counting  # type: ignore[method-assign]
+    try:
+        choice = joint.choose(ISL, prefills, decodes)
+    finally:
+        PdJoint.transfer = original  # type: ignore[method-assign]
+    assert seen == [("p0", "d0")] and (choice.prefill.instance_id, choice.decode.instance_id) == ("p0", "d0")
+
+
+def test_a_node_can_override_its_links():
+    slow = NodeLinks(intra=Link(1e9), nic=Link(1e9))
+    topo = Topology({"n9": slow}, default=PRESETS["gpu"])
+    assert topo.link("n9", "n9") == (Link(1e9), ("n9",))
+    link, keys = topo.link("n1", "n9")
+    assert link.bandwidth == 1e9 and keys == ("n1/nic", "n9/nic")
+
+
+def test_bad_parameters_are_named():
+    with pytest.raises(ValueError, match="top_k"):
+        create({"top_k": 0})
+    with pytest.raises(ValueError, match="max_kv_usage"):
+        create({"max_kv_usage": 1.5})
+    with pytest.raises(ValueError, match="choose needs at least one decode candidate"):
+        create().choose(ISL, [p("p0")], [])
+
+
+def test_a_prefill_instance_for_a_decode_instance_already_chosen_counts_the_transfer_to_it():
+    joint = create(local=True)
+    far, near = p("p-far", node="n2"), p("p-near", node="n1")
+    choice = joint.prefill_for(ISL, [far, near], d("d0", node="n1", inflight=30, context=30_000))
+    assert choice.prefill.instance_id == "p-near" and not choice.cross_node  # never local, even adaptive
+    with pytest.raises(ValueError, match="prefill_for needs"):
+        joint.prefill_for(ISL, [], d("d0"))
