@@ -69,7 +69,7 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
                 for entry in message.http_logs.log_entry:
                     ticket = ticket_of(entry)
                     if ticket:
-                        self.tickets.end(ticket, outcome_of(entry))
+                        self.tickets.end(ticket, outcome_of(entry), entry.response.response_body_bytes)
                     else:
                         self.tickets.ended_without_ticket(entry.request.request_id)
         finally:

@@ -34,6 +34,7 @@ from coordinator.predicted_cache import PredictedCache
 from coordinator.relearn import RelearnWindow
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.shared_state import LocalState, SharedState
+from coordinator.tenants_watch import TenantsWatch, load_tenants, watch_tenants
 from coordinator.tickets import TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
@@ -70,6 +71,7 @@ class Coordinator:
     matcher: ConductorMatcher
     tickets: TicketTable
     pool: UnderstandPool | None
+    decider: Decider | None = None
 
 
 #: Who may call what on the coordinator (`tandem.authz`; checked when the mesh runs with TLS).
@@ -135,7 +137,18 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         pool = UnderstandPool(config.decision_processes, paths, config)
         app.on_stop(_closer(pool.close))
     api_keys = ApiKeys.load(config.api_keys_file, config.api_keys_env)
-    decider = Decider(picker, handoff, trigger, tickets, pool, config.decision_inline_bytes, api_keys)
+    tenants = load_tenants(config.tenants, config.tenants_file)
+    decider = Decider(
+        picker,
+        handoff,
+        trigger,
+        tickets,
+        pool,
+        config.decision_inline_bytes,
+        api_keys,
+        tenants,
+        config.engine_priority,
+    )
     shared: SharedState = LocalState()
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
@@ -153,7 +166,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     if config.relearn_s > 0:  # a (re)started coordinator waits for the agents' registrations rather than 503
         decider.relearn = RelearnWindow(config.relearn_s)
         registry.on_registered = decider.relearn.registered
-    admin = AdminService(picker, decider.counters, mesh, shared)
+    admin = AdminService(picker, decider.counters, mesh, shared, decider)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
@@ -171,10 +184,11 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     metrics.LATENCY.watch(picker.latency, lambda: [s.info.instance_id for s in instances.all()])
     metrics.TICKETS.watch(tickets)
     app.on_stop(registry.close)
+    metrics.TENANTS.watch(decider)
     app.on_stop(handoff.close)
     app.on_stop(matcher.close)
     app.on_stop(shared.close)
-    return Coordinator(app, shared, picker, registry, admin, matcher, tickets, pool)
+    return Coordinator(app, shared, picker, registry, admin, matcher, tickets, pool, decider)
 
 
 def _closer(close):
@@ -314,6 +328,16 @@ async def run(
         tasks.append(asyncio.create_task(mesh_health.watch_agents(c.app.health, c.registry)))
         if mesh.path and reload is not None:
             tasks.append(asyncio.create_task(watch_config(mesh, reload, c.picker, c.matcher)))
+        config = mesh.coordinator
+        if config.tenants_file and c.decider is not None:
+            decider = c.decider
+
+            def apply_tenants(table) -> None:
+                decider.tenants = table
+
+            watch = TenantsWatch(config.tenants, config.tenants_file, apply_tenants)
+            watch.poll()  # the file as read at start-up: the digest to compare with
+            tasks.append(asyncio.create_task(watch_tenants(watch)))
 
     async def cancel_tasks() -> None:
         for task in tasks:

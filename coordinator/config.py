@@ -26,7 +26,9 @@ from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, pd_joint, policy_types
 from coordinator.scheduling.params import parse_params
 from coordinator.scheduling.registry import param_sections, policy_params, section_of
+from coordinator.tenants import TenantSpec, check_unique
 from coordinator.topology import PRESETS, Link, NodeLinks, Topology
+from tandem.config_file import ConfigError
 from tandem.netaddr import (
     Address,
     check_replica_addresses,
@@ -351,6 +353,24 @@ class CoordinatorConfig(BaseModel):
     `/v1/` request needs `Authorization: Bearer <key>`, else 401; the header is not forwarded to engines."""
     api_keys_env: str | None = None
     """The name of an environment variable holding API keys, comma-separated."""
+    tenants: list[TenantSpec] = []
+    """Tenants: API keys with a default and a highest service tier and quotas (docs/scheduling.md). Their keys are
+    accepted keys of the OpenAI port: with any tenant, every `/v1/` request needs a key."""
+    tenants_file: str | None = None
+    """More tenants, in a YAML file (`tenants: [...]`, entries as in `tenants`), read again whenever its content
+    changes; a malformed file is logged in one line and the tenants last read from it are kept."""
+    engine_priority: bool = False
+    """The engines run with vLLM's `--scheduling-policy priority`: each request carries its tier as vLLM's
+    `priority` field (priority -1, default 0, flex 1; smaller is served first). Needs the ext_proc decision path
+    (it rewrites the body); vLLM refuses a non-zero `priority` without that policy, so leave it off otherwise."""
+
+    @field_validator("tenants")
+    @classmethod
+    def _unique_tenants(cls, value: list[TenantSpec]) -> list[TenantSpec]:
+        try:
+            return check_unique(value, "tenants")
+        except ConfigError as exc:  # reported by pydantic at the key
+            raise ValueError(str(exc).partition(": ")[2]) from None
 
     @field_validator("metaserver_address")
     @classmethod

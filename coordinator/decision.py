@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator import metrics
 from coordinator.api_keys import ApiKeys
@@ -26,9 +26,11 @@ from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner
 from coordinator.picker import EndpointPicker, Pick
+from coordinator.quotas import Admission, Quotas, RateLimited, output_bound
 from coordinator.relearn import RelearnWindow
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
-from coordinator.tickets import Ticket, TicketTable
+from coordinator.tenants import ENGINE_PRIORITY, TenantTable, resolve_tier
+from coordinator.tickets import ABORTED, Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
 from coordinator.understanding import ROUTED_PATHS
@@ -48,6 +50,14 @@ class RequestCounters:
 
     routed: int = 0
     rejected: int = 0
+    #: By (tenant, tier): [routed, rate limited]; tenant "" for none.
+    tiers: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
+    def tier(self, tenant: str, tier: str) -> list[int]:
+        counts = self.tiers.get((tenant, tier))
+        if counts is None:
+            counts = self.tiers[(tenant, tier)] = [0, 0]
+        return counts
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +97,10 @@ class Routed:
     # the same ones themselves (see ext_proc.py).
     remove_headers: tuple[str, ...] = ()
     fallback: str | None = None  # a second engine Envoy may retry on (the destination header lists both)
+    tier: str = "default"  # the service tier it is served in (`coordinator/tenants.py`)
+    tenant: str = ""  # its tenant's name; "" for none
+    #: Headers the client gets with the engine's reply: its tenant's `x-ratelimit-*` (`coordinator/quotas.py`).
+    response_headers: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -96,10 +110,13 @@ class Answer:
     status: int
     body: bytes
     details: str  # Envoy's response code details
+    headers: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # besides content-type (429: retry-after, ...)
 
 
 def error_answer(error: OpenAIError) -> Answer:
-    return Answer(error.status, error.body(), f"tandem_{error.status}")
+    return Answer(error.status, error.body(), f"tandem_{error.status}", list(getattr(error, "headers", ())))
 
 
 class Decider:
@@ -114,9 +131,17 @@ class Decider:
         pool: UnderstandPool | None = None,
         inline_bytes: int = 8192,
         api_keys: ApiKeys | None = None,
+        tenants: TenantTable | None = None,
+        engine_priority: bool = False,
     ) -> None:
         self.picker = picker
-        self.api_keys = api_keys or ApiKeys()  # none: the OpenAI port is open
+        self.api_keys = api_keys or ApiKeys()  # none (and no tenant): the OpenAI port is open
+        #: Tenants by API key; replaced whole when the tenants file changes (`coordinator/tenants_watch.py`).
+        self.tenants = tenants or TenantTable()
+        #: Engines take vLLM's `priority` field (`coordinator.engine_priority`).
+        self.engine_priority = engine_priority
+        #: The tenants' quota state (per replica).
+        self.quotas = Quotas()
         self.handoff = handoff
         self.trigger = trigger
         self.tickets = tickets
@@ -142,7 +167,7 @@ class Decider:
         """The answer to a request the coordinator does not route, or to one without a valid API key (401, on
         every `/v1/` path: health probes need no key); None for a routed path (which needs its body).
         `authorization`: the request's Authorization header, if any."""
-        if path.startswith("/v1/") and not self.api_keys.accepts(authorization):
+        if path.startswith("/v1/") and not self._key_accepted(authorization):
             return self.reject(UNAUTHORIZED)
         api = ROUTED_PATHS.get(path)
         if api is not None:
@@ -160,6 +185,18 @@ class Decider:
             return Answer(200, b"", "tandem_health")
         return self.reject(OpenAIError(404, f"Tandem does not route {method} {path}."))
 
+    @property
+    def keys_required(self) -> bool:
+        """Every `/v1/` request needs an API key (keys or tenants are configured)."""
+        return self.api_keys.enabled or len(self.tenants) > 0
+
+    def _key_accepted(self, authorization: str | None) -> bool:
+        if not self.keys_required:
+            return True
+        if self.api_keys.enabled and self.api_keys.accepts(authorization):
+            return True
+        return self.tenants.tenant_of(authorization) is not None
+
     def reject(self, error: OpenAIError) -> Answer:
         self.counters.rejected += 1
         metrics.REJECTED.labels(str(error.status)).inc()
@@ -172,27 +209,48 @@ class Decider:
         raw_body: bytes,
         ids: RequestIds,
         extend: Callable[[], Awaitable[None]] | None = None,
+        authorization: str | None = None,
     ) -> Routed | Answer:
         """Decides where a POST to a routed `path` goes (its API key already checked by `without_body`). `extend`
         is awaited as a handoff prefill leg begins (the transport extends Envoy's timer if the reply turns out
-        late); None means the transport cannot rewrite the body, so P/D modes are refused."""
+        late); None means the transport cannot rewrite the body, so P/D modes are refused. `authorization`: the
+        request's Authorization header (its tenant)."""
         start = time.perf_counter()
         api = ROUTED_PATHS[path]
         request_id = ids.engine
         try:
-            request = None
+            picker = self.picker
             if len(raw_body) > self.inline_bytes and self._pool is not None:
-                picker = self.picker
                 request = await self._pool.understand(
                     api, raw_body, picker.instances.known_models, picker.max_model_len
                 )
-            pick = await self._decide(api, raw_body, request_id, request)
+            else:
+                request = picker.understand(api, raw_body)
+            tenant = self.tenants.tenant_of(authorization)
+            tier = resolve_tier(request.service_tier, tenant)
+            if self.engine_priority:
+                request.body["priority"] = ENGINE_PRIORITY[tier]
+            admission = None
+            if tenant is not None:  # 429 past its quota, before any work is committed
+                try:
+                    admission = self.quotas.admit(tenant, request.prompt_tokens, request.max_tokens)
+                except RateLimited:
+                    self.counters.tier(tenant.name, tier)[1] += 1
+                    raise
+            try:
+                pick = await self._decide(api, raw_body, request_id, request)
+            except BaseException:
+                if admission is not None:  # never served: nothing used
+                    self.quotas.settle(admission, served=False)
+                raise
         except OpenAIError as exc:
             return self.reject(exc)
         except Exception:
             log.exception("routing failed")
             return self.reject(OpenAIError(500, "The coordinator failed to route this request; see its log."))
         ticket = self.tickets.issue([pick.target.commitment], request_id)
+        if admission is not None:
+            ticket.on_release = self._settle_on_release(admission, request.stream, request.max_tokens)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
         engine_request_id = request_id
         body = None
@@ -206,7 +264,9 @@ class Decider:
                         "runs ext_authz. Set envoy.decision to ext_proc (or auto with P/D engines configured).",
                     )
                 )
-            if pick.mode == PdMode.TRIGGER:
+            if pick.mode == PdMode.AGGREGATED and self.engine_priority and extend is not None:
+                body = json.dumps(request.body).encode()  # with the tier's `priority`
+            elif pick.mode == PdMode.TRIGGER:
                 attempt, body = self.trigger.open(pick, path)
                 registry = self.trigger.registry
                 ticket.on_end = lambda: registry.close(attempt)  # the request's end ends the attempt
@@ -226,8 +286,28 @@ class Decider:
         if pick.planned is not None:
             metrics.pd_choice(pick.request.model, pick.planned, self.picker.pair)
         self.counters.routed += 1
+        self.counters.tier(tenant.name if tenant is not None else "", tier)[0] += 1
         metrics.routed(instance.instance_id)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("routed", extra={"instance": instance.instance_id, "mode": pick.mode})
-        removed = API_KEY_HEADERS if self.api_keys.enabled else ()
-        return Routed(instance.address, engine_request_id, ids.echo, ticket, body, removed, pick.fallback)
+        removed = API_KEY_HEADERS if self.keys_required else ()
+        routed = Routed(instance.address, engine_request_id, ids.echo, ticket, body, removed, pick.fallback)
+        routed.tier = tier
+        routed.tenant = tenant.name if tenant is not None else ""
+        if admission is not None:
+            routed.response_headers = admission.headers
+        return routed
+
+    def _settle_on_release(self, admission: Admission, stream: bool, max_tokens: int):
+        """The ticket's release hook: the request ended, however; its quota is settled (see `Quotas.settle`)."""
+        quotas = self.quotas
+
+        def settle(ticket: Ticket) -> None:
+            if ticket.ended == ABORTED:  # the decision never reached Envoy
+                quotas.settle(admission, served=False)
+            elif ticket.response_bytes is not None:
+                quotas.settle(admission, output_bound(ticket.response_bytes, stream, max_tokens))
+            else:  # expired or reconciled: its output is unknown, no correction
+                quotas.settle(admission)
+
+        return settle

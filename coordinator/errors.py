@@ -11,6 +11,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -30,7 +31,7 @@ class OpenAIError(Exception):
 
     def __reduce__(self):
         # Raised in decision worker processes too: rebuilt whole on the other side.
-        return (OpenAIError, (self.status, self.message, self.param))
+        return (OpenAIError, (self.status, self.message, self.param, self.code))
 
     @property
     def type(self) -> str:

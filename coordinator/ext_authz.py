@@ -51,7 +51,7 @@ def denied(answer: Answer) -> ea.CheckResponse:
         status=_DENIED,
         denied_response=ea.DeniedHttpResponse(
             status=http_status_pb2.HttpStatus(code=answer.status),
-            headers=[_JSON] if answer.body else [],
+            headers=([_JSON] if answer.body else []) + [_header(k, v) for k, v in answer.headers],
             body=answer.body.decode(),
         ),
     )
@@ -74,7 +74,7 @@ class Authorization(ea_grpc.AuthorizationServicer):
         if answer is not None:
             return denied(answer)
         body = http.raw_body or http.body.encode()
-        outcome = await self.decider.route(path, body, ids)
+        outcome = await self.decider.route(path, body, ids, authorization=headers.get("authorization"))
         if isinstance(outcome, Answer):
             return denied(outcome)
         # Returned, not written: past this point the reply is grpc's to deliver. Should Envoy drop it (the client
@@ -102,5 +102,10 @@ class Authorization(ea_grpc.AuthorizationServicer):
             header.header.value = value
             header.append_action = _OVERWRITE
         ok.headers_to_remove.extend(routed.remove_headers)
+        for key, value in routed.response_headers:  # the tenant's x-ratelimit-*, on the engine's reply
+            header = ok.response_headers_to_add.add()
+            header.header.key = key
+            header.header.value = value
+            header.append_action = _OVERWRITE
         reply.dynamic_metadata.fields[TICKET_KEY].string_value = routed.ticket.id
         return reply

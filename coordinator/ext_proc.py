@@ -51,9 +51,16 @@ ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 AUTHORIZATION_ATTRIBUTE = "request.headers['authorization']"
 #: Attributes Envoy sends with the body (the filter's `request_attributes`, rendered from this).
 REQUEST_ATTRIBUTES = ("request.path", "request.method", "request.id", AUTHORIZATION_ATTRIBUTE)
+_SET = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON = base_pb2.HeaderValueOption(
-    header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
-    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_SET
+)
+#: Response headers the ext_proc routes copy from the decision's dynamic metadata (same key) onto the engine's
+#: reply: a tenant's quota (`coordinator/quotas.py`); Envoy leaves out a header whose value is empty.
+RESPONSE_HEADER_KEYS = tuple(
+    f"x-ratelimit-{what}-{kind}"
+    for kind in ("requests", "tokens")
+    for what in ("limit", "remaining", "reset")
 )
 _CONTINUE_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
 
@@ -65,7 +72,17 @@ def _text(header: base_pb2.HeaderValue) -> str:
 
 def immediate(answer: Answer) -> ep.ProcessingResponse:
     """An answer Envoy sends to the client instead of forwarding the request."""
-    headers = ep.HeaderMutation(set_headers=[_JSON]) if answer.body else None
+    extra = [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_SET
+        )
+        for k, v in answer.headers
+    ]
+    headers = (
+        ep.HeaderMutation(set_headers=([_JSON] if answer.body else []) + extra)
+        if answer.body or extra
+        else None
+    )
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=answer.status),
@@ -84,6 +101,8 @@ def routed_response(routed: Routed) -> ep.ProcessingResponse:
     fields["request_id"].string_value = routed.request_id
     fields["client_request_id"].string_value = routed.client_request_id
     fields[TICKET_KEY].string_value = routed.ticket.id
+    for key, value in routed.response_headers:
+        fields[key].string_value = value
     response = ep.BodyResponse()
     if routed.body is not None:
         response.response.body_mutation.body = routed.body
@@ -145,7 +164,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         ids = new_request_ids(fields["request.id"].string_value if "request.id" in fields else None)
         request_id_var.set(ids.log)
         auth = fields.get(AUTHORIZATION_ATTRIBUTE)
-        answer = self.decider.without_body(method, path, auth.string_value if auth is not None else None)
+        authorization = auth.string_value if auth is not None else None
+        answer = self.decider.without_body(method, path, authorization)
         if answer is not None:
             await context.write(immediate(answer))
             return
@@ -171,7 +191,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             extension = asyncio.create_task(extend_later())
 
         try:
-            outcome = await self.decider.route(path, message.request_body.body, ids, extend)
+            outcome = await self.decider.route(path, message.request_body.body, ids, extend, authorization)
         except BaseException:
             if extension is not None:
                 extension.cancel()

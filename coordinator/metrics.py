@@ -165,6 +165,47 @@ class TicketCollector:
 
 TICKETS = TicketCollector()
 REGISTRY.register(TICKETS)
+
+
+class TenantCollector:
+    """Requests per tenant and tier, and each tenant's quota state, read from the decider at scrape time."""
+
+    def __init__(self) -> None:
+        self.decider = None
+
+    def watch(self, decider) -> None:
+        self.decider = decider
+
+    def collect(self):
+        requests = CounterMetricFamily(
+            "tandem_coordinator_tier_requests",
+            'Requests by tenant ("" for none), service tier and outcome (routed, rate_limited)',
+            labels=["tenant", "tier", "outcome"],
+        )
+        refunded = CounterMetricFamily(
+            "tandem_coordinator_tenant_refunded_tokens",
+            "Tokens given back to a tenant's quota when its requests ended (max_tokens not used)",
+            labels=["tenant"],
+        )
+        inflight = GaugeMetricFamily(
+            "tandem_coordinator_tenant_inflight_requests", "A tenant's requests in flight", labels=["tenant"]
+        )
+        decider = self.decider
+        if decider is not None:
+            for (tenant, tier), (routed_count, limited) in list(decider.counters.tiers.items()):
+                requests.add_metric([tenant, tier, "routed"], routed_count)
+                requests.add_metric([tenant, tier, "rate_limited"], limited)
+            quotas = decider.quotas
+            for name in decider.tenants.specs:
+                refunded.add_metric([name], quotas.counters.refunded_tokens.get(name, 0))
+                inflight.add_metric([name], quotas.in_flight(name))
+        yield requests
+        yield refunded
+        yield inflight
+
+
+TENANTS = TenantCollector()
+REGISTRY.register(TENANTS)
 _routed_children: dict[str, Counter] = {}
 
 

@@ -1,7 +1,7 @@
 """What `Admin/GetConfig` shows of the running config: everything but secrets (a pure function).
 
 Redacted: every value of an `env` map (engines' and stores' environments carry tokens and keys), fields whose
-name says they hold a secret (`*password*`, `*secret*`, `api_key*`, `*_token`, `token`), and the value after an
+name says they hold a secret (`*password*`, `*secret*`, `api_key*`, `*_token`, `token`, a tenant's `keys`), and the value after an
 `--api-key`-like flag in engine argument lists. API key *files* and *variable names* stay visible: they are not
 the keys.
 """
@@ -23,6 +23,7 @@ def _secret_name(key: str) -> bool:
         "password" in k
         or "secret" in k
         or k.startswith("api_key")
+        or k == "keys"  # a tenant's API keys (`coordinator.tenants[].keys`)
         or k == "token"
         or k.endswith("_token")
         or k.endswith("-token")

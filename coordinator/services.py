@@ -17,7 +17,7 @@ from coordinator.admission import NodeBook, registration_refusal
 from coordinator.attempts import PrefillLegFailed, UnknownAttempt
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
-from coordinator.decision import RequestCounters
+from coordinator.decision import Decider, RequestCounters
 from coordinator.instance_probe import HealthProber
 from coordinator.instances import Health, InstanceState, InstanceTable
 from coordinator.latency import LatencyBook
@@ -234,11 +234,17 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     """The operator's view: instances, drain, config, stats."""
 
     def __init__(
-        self, picker: EndpointPicker, counters: RequestCounters, mesh, shared: SharedState | None = None
+        self,
+        picker: EndpointPicker,
+        counters: RequestCounters,
+        mesh,
+        shared: SharedState | None = None,
+        decider: Decider | None = None,
     ) -> None:
         self.shared = shared or LocalState()
         self.picker = picker
         self.counters = counters
+        self.decider = decider  # its tenants and quotas (GetStats)
         self.mesh = mesh  # the running config; its scheduler section follows reloads
 
     def _status(self, instance_id: str):
@@ -287,7 +293,27 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             )
             for s in self.picker.instances.all()
         ]
+        tiers = [
+            admin_pb2.TierStats(tenant=t, tier=tier, requests_routed=c[0], requests_rate_limited=c[1])
+            for (t, tier), c in sorted(self.counters.tiers.items())
+        ]
+        tenants = []
+        if self.decider is not None:
+            quotas = self.decider.quotas
+            counters = quotas.counters
+            tenants = [
+                admin_pb2.TenantStats(
+                    tenant=name,
+                    requests_inflight=quotas.in_flight(name),
+                    requests_admitted=counters.admitted.get(name, 0),
+                    requests_rate_limited=counters.limited.get(name, 0),
+                    tokens_refunded=counters.refunded_tokens.get(name, 0),
+                )
+                for name in sorted(self.decider.tenants.specs)
+            ]
         return admin_pb2.GetStatsResponse(
+            tiers=tiers,
+            tenants=tenants,
             requests_routed=self.counters.routed,
             requests_rejected=self.counters.rejected,
             requests_inflight=ledger.total_requests,

@@ -61,6 +61,9 @@ class Ticket:
     routed_at: float = 0.0  # wall clock when the reply left for Envoy; 0 until then
     unconfirmed: bool = False  # outstanding while no ALS stream was connected: its entry may be lost
     ended: str = ""  # why it ended; "" while outstanding
+    #: Run once with the ticket when it ends, after the release, whatever the reason (the tenant quota's settle).
+    on_release: Callable[[Ticket], object] | None = None
+    response_bytes: int | None = None  # the response body's size as Envoy logged it; None when not logged
 
     @property
     def routed(self) -> bool:
@@ -144,12 +147,14 @@ class TicketTable:
             return False
         return self._end(ticket, ABORTED)
 
-    def end(self, ticket_id: str, reason: str = COMPLETED) -> bool:
-        """Envoy logged the end of the ticket's request; True the first time only."""
+    def end(self, ticket_id: str, reason: str = COMPLETED, response_bytes: int | None = None) -> bool:
+        """Envoy logged the end of the ticket's request (with its response body's size); True the first time
+        only."""
         ticket = self._tickets.get(ticket_id)
         if ticket is None:
             self.counters.unknown += 1
             return False
+        ticket.response_bytes = response_bytes
         return self._end(ticket, reason)
 
     def ended_without_ticket(self, request_id: str) -> bool:
@@ -219,6 +224,10 @@ class TicketTable:
             if ticket.on_end is not None:
                 ticket.on_end()
         finally:
-            for commitment in ticket.commitments:
-                self.ledger.release(commitment)
+            try:
+                for commitment in ticket.commitments:
+                    self.ledger.release(commitment)
+            finally:
+                if ticket.on_release is not None:
+                    ticket.on_release(ticket)
         return True

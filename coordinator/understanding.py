@@ -18,6 +18,7 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import OpenAIError
 from coordinator.limits import check_body, check_context, check_prompt_size
+from coordinator.tenants import requested_tier
 from tandem.tokenizer import Tokenizer, prompt_token_ids
 
 #: Paths the coordinator routes, and the API name `tandem.tokenizer.prompt_token_ids` knows them by.
@@ -35,6 +36,7 @@ class OpenAIRequest:
     prompts: list[list[int]]  # prompt token ids, one list per prompt
     max_tokens: int  # output tokens counted for workload, over all prompts and choices
     n: int = 1  # choices per prompt
+    service_tier: str | None = None  # OpenAI's `service_tier` as asked (None: absent or `auto`)
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,13 +97,14 @@ def understand(
         raise OpenAIError(400, "`prompt` is required.", "prompt")
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     n = _positive_int(body, "n") or 1
+    tier = requested_tier(body)
     try:
         prompts = prompt_token_ids(tokenizer, api, body)
     except ValueError as exc:
         param = "messages" if api == "chat.completions" else "prompt"
         raise OpenAIError(400, str(exc), param) from None
     per_choice = max_tokens if max_tokens is not None else default_max_tokens
-    return OpenAIRequest(api, model, stream, body, prompts, per_choice * n * len(prompts), n)
+    return OpenAIRequest(api, model, stream, body, prompts, per_choice * n * len(prompts), n, tier)
 
 
 class TokenizerCache:

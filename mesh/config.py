@@ -228,13 +228,26 @@ class MeshConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _priority_needs_ext_proc(self) -> MeshConfig:
+        if self.coordinator.engine_priority and self.envoy.decision == "ext_authz":
+            raise ValueError(
+                "coordinator.engine_priority: needs envoy.decision ext_proc or auto (ext_authz cannot add the "
+                "`priority` field to the body)"
+            )
+        return self
+
     @property
     def decision_path(self) -> str:
         """`ext_proc` or `ext_authz`: `envoy.decision` with `auto` resolved."""
         if self.envoy.decision != "auto":
             return self.envoy.decision
         pd_engines = any(e.role != "hybrid" for a in self.node_agents for e in a.engines)
-        if pd_engines or self.coordinator.pd_mode not in (PdMode.AUTO, PdMode.AGGREGATED):
+        if (
+            pd_engines
+            or self.coordinator.engine_priority
+            or self.coordinator.pd_mode not in (PdMode.AUTO, PdMode.AGGREGATED)
+        ):
             return "ext_proc"
         return "ext_authz"
 

@@ -17,7 +17,7 @@ import yaml
 
 from coordinator.access_log import EXT_AUTHZ_NAMESPACE, METADATA_NAMESPACE
 from coordinator.decision import API_KEY_HEADERS
-from coordinator.ext_proc import REQUEST_ATTRIBUTES
+from coordinator.ext_proc import REQUEST_ATTRIBUTES, RESPONSE_HEADER_KEYS
 from coordinator.understanding import ROUTED_PATHS
 from mesh.config import MeshConfig
 from node_agent.launch import Placement, registered_instance_ids
@@ -182,8 +182,10 @@ def _local_errors() -> list[tuple[int, str, str, str]]:
 
 
 def api_keys_configured(mesh: MeshConfig) -> bool:
-    """Whether the coordinator checks API keys (it refuses to start when a named file or variable holds none)."""
-    return bool(mesh.coordinator.api_keys_file or mesh.coordinator.api_keys_env)
+    """Whether the coordinator checks API keys (it refuses to start when a named file or variable holds none;
+    tenants bring keys too)."""
+    c = mesh.coordinator
+    return bool(c.api_keys_file or c.api_keys_env or c.tenants or c.tenants_file)
 
 
 def admin_socket_path(mesh: MeshConfig, run_dir: Path) -> Path:
@@ -261,6 +263,7 @@ def render_envoy_config(
         # Where the decision filter leaves the ticket in dynamic metadata (ext_authz: under its own name).
         ticket_namespace=METADATA_NAMESPACE if mesh.decision_path == "ext_proc" else EXT_AUTHZ_NAMESPACE,
         request_attributes=list(REQUEST_ATTRIBUTES),
+        response_header_keys=list(RESPONSE_HEADER_KEYS),
         # Headers the ext_proc routes remove (ext_authz removes them on the coordinator's word): the API key.
         removed_headers=list(API_KEY_HEADERS) if api_keys_configured(mesh) else [],
         agents=agents,

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer every response with X-Request-Id (the request's, else a new one), as vLLM")  # fmt: skip
     v.add_argument("--enable-scale-out", action="store_true",
                    help="serve the render endpoints (vLLM answers them 403 without this flag)")  # fmt: skip
+    v.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: waiting requests in arrival order; priority: by (priority, arrival), the largest "
+                        "preempted first (vLLM's rule); requests may set `priority` only under this policy")  # fmt: skip
     for flag in ("--disable-log-stats", "--enable-server-load-tracking"):
         v.add_argument(flag, action="store_true", help="accepted and ignored")
     v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -207,6 +210,7 @@ class EngineConfig:
     enable_request_id_headers: bool = False
     enable_scale_out: bool = False
     gpu_memory_utilization: float = 0.9
+    scheduling_policy: str = "fcfs"
 
 
 def parse_config(argv: list[str] | None = None) -> EngineConfig:
@@ -265,4 +269,5 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
         enable_request_id_headers=a.enable_request_id_headers,
         enable_scale_out=a.enable_scale_out,
         gpu_memory_utilization=a.gpu_memory_utilization,
+        scheduling_policy=a.scheduling_policy,
     )

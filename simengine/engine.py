@@ -50,7 +50,9 @@ class Engine:
             offload=cfg.offload,
             hasher=BlockHasher(cfg.prefix_caching_hash_algo, cfg.hash_seed),
         )
-        self.scheduler = Scheduler(self.kv, sampler, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, sampler, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduling_policy
+        )
         #: Called with the requests whose remote KV transfer must start (set by the P/D connector).
         self.on_remote_kv: Callable[[list[Request]], None] | None = None
         self._wake = asyncio.Event()

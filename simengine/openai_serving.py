@@ -155,6 +155,10 @@ class OpenAIServing:
             model = self.check_model(body)
             chat = api == "chat.completions"
             params = parse_params(body, chat)
+            if (
+                params.priority != 0 and cfg.scheduling_policy != "priority"
+            ):  # vLLM's processor refuses it too
+                raise APIError(f"Got priority {params.priority} but Priority scheduling is not enabled.")
             prompts = self.prompts_of(api, body)
             if cfg.fault_hang:
                 await asyncio.Event().wait()
@@ -199,7 +203,15 @@ class OpenAIServing:
                 rid = f"{callback_id}-{uuid.uuid4().hex[:8]}"
                 if params.n > 1:
                     rid = f"{j}_{rid}"
-                req = Request(rid, ids, sp, now, on_output=_on_output, cache_salt=params.cache_salt)
+                req = Request(
+                    rid,
+                    ids,
+                    sp,
+                    now,
+                    on_output=_on_output,
+                    cache_salt=params.cache_salt,
+                    priority=params.priority,
+                )
                 seq = Choice(req, p_idx * params.n + j)
                 req.user = (seq, group)
                 if self.connector is not None:

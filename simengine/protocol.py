@@ -174,6 +174,8 @@ class Params(msgspec.Struct):
     kv_transfer_params: dict | None
     #: Multi-prompt trigger legs: {callback request id: kv_transfer_params} (vLLM-Ascend's proxy sends it).
     batch_kv_transfer_params: dict | None
+    #: vLLM's `priority`: with `--scheduling-policy priority` a smaller value is scheduled first (default 0).
+    priority: int = 0
 
 
 def parse_params(body: dict, chat: bool) -> Params:
@@ -258,4 +260,5 @@ def parse_params(body: dict, chat: bool) -> Params:
         cache_salt=salt,
         kv_transfer_params=ktp,
         batch_kv_transfer_params=batch if isinstance(batch, dict) else None,
+        priority=lax_int(body, "priority") or 0,
     )

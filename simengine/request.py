@@ -61,6 +61,8 @@ class Request:
     block_digests: list[bytes] = field(default_factory=list)
     #: vLLM's `cache_salt`: an extra hash key of the first block, so salted prompts share nothing unsalted.
     cache_salt: str | None = None
+    #: vLLM's `priority` (smaller first under `--scheduling-policy priority`; ignored under `fcfs`).
+    priority: int = 0
     #: Leading blocks of `block_ids` already cached under their hashes.
     num_cached_blocks: int = 0
     #: Bytes to load from CPU / disk in the step that schedules this request (set by the KV cache manager).

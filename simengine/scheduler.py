@@ -1,10 +1,17 @@
 """Continuous-batching scheduler (vLLM v1's shape, trimmed): running requests first (decode or the rest of a
 chunked prefill), then waiting ones while the token budget, `max_num_seqs` and the KV cache allow; when the
 cache cannot grow a running request, the most recently admitted running request is preempted (its blocks freed,
-recomputed later). Pure: the engine loop supplies time and I/O."""
+recomputed later). Pure: the engine loop supplies time and I/O.
+
+`policy` is vLLM's `--scheduling-policy`: `fcfs` (arrival order; a preempted request goes back to the front), or
+`priority`, as vllm/v1/core/sched/request_queue.py (`PriorityRequestQueue`) and scheduler.py do it: the waiting
+queue is ordered by (priority, arrival time), smaller first, a preempted request going back to its place in that
+order; when the cache cannot grow a running request, the running request with the largest (priority, arrival
+time) is preempted instead of the most recently admitted one."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,8 +51,18 @@ class StepStats:
 class Scheduler:
     """Owns the waiting and running queues."""
 
-    def __init__(self, kv: KVCacheManager, sampler: Sampler, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        sampler: Sampler,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv = kv
+        self.priority = policy == "priority"
         self.sampler = sampler
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,7 +82,24 @@ class Scheduler:
         return bool(self.running or self.waiting or any(r.remote_kv_done for r in self.remote_waiting))
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self.priority:
+            self._insert(request)
+        else:
+            self.waiting.append(request)
+
+    def _insert(self, request: Request) -> None:
+        """Into the waiting queue at its (priority, arrival) place, after equals (priority policy)."""
+        waiting = self.waiting
+        key = (request.priority, request.arrival_time)
+        index = bisect.bisect_right([(r.priority, r.arrival_time) for r in waiting], key)
+        waiting.insert(index, request)
+
+    def _requeue(self, request: Request) -> None:
+        """Back into the waiting queue: at the front (fcfs), at its place (priority)."""
+        if self.priority:
+            self._insert(request)
+        else:
+            self.waiting.appendleft(request)
 
     def abort(self, request: Request, status: Status = Status.FINISHED_ABORTED) -> None:
         """Removes a request wherever it is and frees its blocks (idempotent)."""
@@ -99,7 +133,7 @@ class Scheduler:
         victim.status = Status.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self._requeue(victim)
         out.preempted.append(victim)
 
     def _admit_remote_done(self) -> None:
@@ -122,7 +156,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 req.needs_remote_kv = False
                 req.status = Status.WAITING
-                self.waiting.appendleft(req)
+                self._requeue(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -139,7 +173,15 @@ class Scheduler:
                 i += 1
                 continue
             while not kv.allocate_slots(req, n):
-                victim = running.pop()
+                if self.priority:
+                    victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+                    at = running.index(victim)
+                    del running[at]
+                    if at < i:  # scheduled earlier this step: undone, its budget given back (as vLLM does)
+                        i -= 1
+                        budget += self._unschedule(out, victim)
+                else:
+                    victim = running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -178,6 +220,20 @@ class Scheduler:
             self._add(out, req, n)
             budget -= n
         return out
+
+    def _unschedule(self, out: SchedulerOutput, req: Request) -> int:
+        """Takes `req` out of this step's batch (preempted after it was scheduled); the tokens it had."""
+        for k, (r, n) in enumerate(out.scheduled):
+            if r is req:
+                del out.scheduled[k]
+                ctx = req.num_computed_tokens
+                if n == 1 and req.output_token_ids and ctx == req.num_tokens - 1:
+                    out.num_decode -= 1
+                    out.decode_context -= ctx
+                elif (n, ctx) in out.prefill_chunks:
+                    out.prefill_chunks.remove((n, ctx))
+                return n
+        return 0
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append((req, n))

@@ -205,7 +205,12 @@ def test_ownership():
 
 def test_redaction_hides_env_keys_and_secret_flags():
     config = {
-        "coordinator": {"api_keys_file": "/etc/keys", "api_keys_env": "KEYS", "max_tokens": 5},
+        "coordinator": {
+            "api_keys_file": "/etc/keys",
+            "api_keys_env": "KEYS",
+            "max_tokens": 5,
+            "tenants": [{"name": "gold", "keys": ["s6", "s7"], "tokens_per_minute": 100}],
+        },
         "node_agents": [
             {
                 "engines": [
@@ -216,9 +221,10 @@ def test_redaction_hides_env_keys_and_secret_flags():
         ],
     }
     text = json.dumps(redact(config))
-    for secret in ("s1", "s2", "s3", "s4", "s5"):
+    for secret in ("s1", "s2", "s3", "s4", "s5", "s6", "s7"):
         assert f'"{secret}"' not in text and f"={secret}" not in text
     assert "/etc/keys" in text and '"KEYS"' in text and '"max_tokens": 5' in text and REDACTED in text
+    assert '"tokens_per_minute": 100' in text and '"name": "gold"' in text  # a tenant's limits stay visible
     assert config["node_agents"][0]["engines"][0]["env"] == {"HF_TOKEN": "s1"}  # a copy was redacted
 
 

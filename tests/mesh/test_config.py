@@ -87,6 +87,14 @@ def test_default_config_loads():
         ({"coordinator": {"scheduler": {"pd_choice": "sometimes"}}}, "coordinator.scheduler.pd_choice"),
         ({"coordinator": {"scheduler": {"pd_joint": {"top_k": 0}}}}, "top_k: must be >= 1"),
         ([1, 2], "expected a mapping"),
+        (
+            {"envoy": {"decision": "ext_authz"}, "coordinator": {"engine_priority": True}},
+            "coordinator.engine_priority: needs envoy.decision ext_proc",
+        ),
+        (
+            {"coordinator": {"tenants": [{"name": "a", "keys": ["k"]}, {"name": "a", "keys": ["j"]}]}},
+            "coordinator.tenants: ",
+        ),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(data, message):
@@ -117,13 +125,21 @@ def test_unreadable_and_invalid_yaml(tmp_path):
     ],
 )
 def test_decision_path_follows_what_the_mesh_serves(envoy, pd_mode, role, path):
+    _check_decision_path(envoy, {"pd_mode": pd_mode}, role, path)
+
+
+def test_engine_priority_needs_the_body_rewriting_path():
+    _check_decision_path({}, {"engine_priority": True}, "hybrid", "ext_proc")
+
+
+def _check_decision_path(envoy, coordinator, role, path):
     engine = {"instance_id": "e0", "model": "m", "port": 8100, "role": role}
     if role != "hybrid":
         engine["kv_connector"] = "NixlConnector"
     mesh = parse_mesh_config(
         {
             "envoy": envoy,
-            "coordinator": {"pd_mode": pd_mode},
+            "coordinator": coordinator,
             "node_agents": [{"node_id": "n1", "engines": [engine]}],
         }
     )

@@ -232,3 +232,17 @@ def test_data_parallel_rank_labels_metrics(engines):
     e.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
     _, raw = e.get("/metrics")
     assert 'vllm:generation_tokens_total{engine="1",model_name="dp"} 1.0' in raw.decode()
+
+
+def test_priority_field_needs_the_priority_scheduling_policy(engine, engines):
+    body = {"model": "sim", "prompt": "hello", "max_tokens": 2, "priority": 1}
+    status, reply = engine.post("/v1/completions", body)
+    assert (
+        status == 400
+        and reply["error"]["message"] == "Got priority 1 but Priority scheduling is not enabled."
+    )
+    assert engine.post("/v1/completions", {**body, "priority": 0})[0] == 200
+    prio = engines("--speedup", "1000", "--served-model-name", "sim", "--scheduling-policy", "priority")
+    for value in (-1, 0, 1):
+        status, reply = prio.post("/v1/completions", {**body, "priority": value})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 2

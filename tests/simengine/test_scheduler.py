@@ -10,17 +10,17 @@ from simengine.scheduler import Scheduler
 SAMPLER = Sampler(list(range(500, 600)), eos_token_id=2)
 
 
-def make(blocks=64, seqs=8, budget=64, bs=4):
+def make(blocks=64, seqs=8, budget=64, bs=4, policy="fcfs"):
     kv = KVCacheManager(blocks, bs, EventSink())
-    return Scheduler(kv, SAMPLER, seqs, budget)
+    return Scheduler(kv, SAMPLER, seqs, budget, policy)
 
 
-def req(n, rid, max_tokens=4, ignore_eos=True, key=None):
+def req(n, rid, max_tokens=4, ignore_eos=True, key=None, priority=0, arrival=0.0):
     prompt = [(i * 7 + len(rid)) % 400 + 10 for i in range(n)]
     sp = SamplingParams(
         max_tokens=max_tokens, ignore_eos=ignore_eos, seed_key=key or seed_key(prompt, 0, 1, -1, None, 0)
     )
-    return Request(rid, prompt, sp, 0.0)
+    return Request(rid, prompt, sp, arrival, priority=priority)
 
 
 def run(s: Scheduler, limit=1000):
@@ -72,6 +72,58 @@ def test_preemption_when_cache_is_full():
     steps = run(s)
     assert s.num_preemptions >= 1 and any(st.preempted for st in steps)
     assert len(a.output_token_ids) == 12 and len(b.output_token_ids) == 12
+
+
+def test_priority_policy_orders_waiting_by_priority_then_arrival():
+    s = make(seqs=1, policy="priority")
+    reqs = [req(4, "late-low", priority=1, arrival=1.0), req(4, "high", priority=-1, arrival=3.0),
+            req(4, "early-low", priority=1, arrival=0.5), req(4, "mid", priority=0, arrival=2.0)]  # fmt: skip
+    for r in reqs:
+        s.add_request(r)
+    assert [r.request_id for r in s.waiting] == ["high", "mid", "early-low", "late-low"]
+    order = []
+    while s.has_work:
+        out = s.schedule()
+        order += [r.request_id for r, _ in out.scheduled if r.request_id not in order]
+        s.update(out)
+    assert order == ["high", "mid", "early-low", "late-low"]
+    fcfs = make(seqs=1)
+    for r in [req(4, "a", priority=5), req(4, "b", priority=-5)]:
+        fcfs.add_request(r)
+    assert [r.request_id for r in fcfs.waiting] == ["a", "b"]  # fcfs ignores priority
+
+
+def test_priority_policy_preempts_the_largest_priority_not_the_latest():
+    # Three requests fill the cache; when one must grow, vLLM's priority rule evicts the running request with the
+    # largest (priority, arrival), here the first admitted, where fcfs would evict the last admitted.
+    def scenario(policy):
+        s = make(blocks=6, budget=256, bs=4, policy=policy)
+        low = req(4, "low", max_tokens=12, priority=2, arrival=0.0)
+        mid = req(4, "mid", max_tokens=12, priority=1, arrival=1.0)
+        high = req(4, "high", max_tokens=12, priority=0, arrival=2.0)
+        for r in (low, mid, high):
+            s.add_request(r)
+        while s.has_work:
+            out = s.schedule()
+            if out.preempted:
+                return [r.request_id for r in out.preempted], s
+            s.update(out)
+        raise AssertionError("no preemption")
+
+    victims, s = scenario("priority")
+    assert victims[0] == "low" and s.waiting[0].request_id == "low"
+    assert all(r.request_id != "low" for r in s.running)
+    victims, _ = scenario("fcfs")
+    assert victims[0] == "high"  # fcfs: the most recently admitted
+
+
+def test_priority_policy_runs_everything_to_completion_under_pressure():
+    s = make(blocks=8, budget=32, bs=4, policy="priority")
+    reqs = [req(6, f"r{i}", max_tokens=10, priority=i % 3, arrival=float(i)) for i in range(6)]
+    for r in reqs:
+        s.add_request(r)
+    run(s)
+    assert all(len(r.output_token_ids) == 10 for r in reqs) and s.kv.usage() == 0.0
 
 
 def test_output_is_deterministic_and_truncation_only():
