@@ -309,7 +309,11 @@ class MeshConfig(BaseModel):
                     ids += [f"{engine.instance_id}-dp{r}" for r in range(start, start + engine.local_dp_size)]
                 for iid in ids:
                     owners.setdefault(iid, set()).add(agent.node_id)
-        envoy = [self.envoy.http_listen, self.envoy.grpc_listen, self.envoy.callback_listen]  # admin: a socket
+        envoy = [
+            self.envoy.http_listen,
+            self.envoy.grpc_listen,
+            self.envoy.callback_listen,
+        ]  # admin: a socket
         envoy += [a for a in (self.envoy.grpc_address, self.coordinator.metaserver_address) if a]
         return NodeBook(
             owners={k: frozenset(v) for k, v in owners.items()},
