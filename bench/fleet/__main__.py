@@ -361,13 +361,12 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
     from bench.fleet.links import Topology
     from bench.fleet.pd import PdConfig
     from bench.fleet.pd_bench import SWEEP_COST, cost_line, sweep, table
-    from bench.fleet.pd_rules import PLANNED, RULES
+    from bench.fleet.pd_rules import RULES
     from bench.fleet.routing import ArrivalsWork, Cell, cell_arrivals
 
     for rule in args.rules:
         if rule not in RULES:
-            state = "not implemented yet (planned)" if rule in PLANNED else "unknown"
-            raise SystemExit(f"--rules: {rule!r} is {state}; known: {', '.join(RULES)}")
+            raise SystemExit(f"--rules: {rule!r} is unknown; known: {', '.join(RULES)}")
     eng = engine(args)
     topo = Topology(args.nodes)
     slo = f"TTFT <= {args.ttft_slo_s:g} s and mean ITL <= {args.itl_slo_ms:g} ms"

@@ -211,7 +211,9 @@ class PdFleet:
         free = {
             iid: int((1.0 - by[iid].load.kv_cache_usage) * self.cfg.engine.npu_blocks) for iid in self.ids
         }
-        return PdView(pre, dec, self.node, free, self.gen_rate, decode_fixed, self.cfg.engine.block_size)
+        return PdView(
+            pre, dec, self.node, free, self.gen_rate, decode_fixed, self.cfg.engine.block_size, self.now
+        )
 
     def _decide(
         self, live: _Live, facts: RequestFacts, decode_fixed: str | None = None

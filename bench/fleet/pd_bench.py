@@ -18,7 +18,7 @@ from typing import Any
 from bench.fleet.pd import PdConfig, PdResult, best, refine, simulate_pd, splits
 from bench.fleet.pd_rules import RULES
 
-#: Rows of the table, in order (`tandem_joint` and `tandem_adaptive` join when they exist).
+#: Rows of the table, in order.
 PD_ROWS = tuple(RULES)
 
 

@@ -10,9 +10,9 @@ Trigger mode (decode first) asks a rule twice: at arrival (`decode_fixed` None) 
 serving; when the decode engine has allocated its blocks and calls back, with `decode_fixed` set, for the prefill
 instance (the rule must return that decode instance and a prefill one). Handoff asks once.
 
-The peers' rules are reproduced from their sources (each class cites file and version). Room is left for Tandem's
-joint choice (`tandem_joint`) and its per-request disaggregation (`tandem_adaptive`): they are designed separately
-and register here when they exist; until then `RULES` does not name them and asking for them is an error.
+The peers' rules are reproduced from their sources (each class cites file and version); Tandem's joint choice
+(`tandem_joint`) and its per-request disaggregation (`tandem_adaptive`) are the coordinator's own
+`coordinator.scheduling.pd_joint`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from bench.fleet.links import Topology
 from coordinator.scheduling import Candidate, RequestFacts, create_policy
+from coordinator.scheduling.pd_joint import PdJoint
+from coordinator.topology import Link, NodeLinks
+from coordinator.topology import Topology as JointTopology
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,7 @@ class PdView:
     generation_rate: Mapping[str, float] = field(default_factory=dict)
     decode_fixed: str | None = None  # trigger callback: the decode instance already chosen
     block_size: int = 16
+    now: float = 0.0  # simulated time of the decision
 
 
 class PdRule(Protocol):
@@ -302,7 +307,49 @@ class AIBrix:
         return PdChoice(best[2].instance_id, best[1].instance_id)
 
 
-#: Every rule of the simulator, by name. `tandem_joint` and `tandem_adaptive` register here when they exist.
+class TandemJoint:
+    """`tandem_joint`: Tandem's joint choice (`coordinator.scheduling.pd_joint`, `scheduler.pd_choice: joint`, its
+    defaults): the (prefill, decode) pair with the lowest predicted TTFT, the KV transfer over the simulated
+    topology's links included; at a trigger callback, the best prefill instance for the decode instance waiting.
+    Step costs are the coordinator's prior (Llama-3.1-8B on a 910B, as the simulated engines' profile), the links
+    the simulator's defaults (`bench.fleet.links.Topology`)."""
+
+    name = "tandem_joint"
+    disaggregates = True
+    local = False
+
+    def __init__(self) -> None:
+        sim = Topology()
+        links = NodeLinks(
+            intra=Link(sim.intra_bandwidth, sim.intra_latency_s),
+            nic=Link(sim.nic_bandwidth, sim.nic_latency_s),
+        )
+        self._now = 0.0
+        self.pair = PdJoint(topology=JointTopology(default=links), local=self.local, clock=lambda: self._now)
+        self._node: Mapping[str, int] = {}
+        self.pair.node_of = lambda c: f"n{self._node[c.instance_id]}"
+
+    def decide(self, request: RequestFacts, view: PdView) -> PdChoice:
+        self._now, self._node = view.now, view.node
+        if view.decode_fixed is not None:
+            choice = self.pair.prefill_for(request.isl, view.prefill, _by_id(view.decode, view.decode_fixed))
+        else:
+            choice = self.pair.choose(request.isl, view.prefill, view.decode)
+        if choice.prefill is None:
+            return PdChoice(choice.decode.instance_id)
+        self.pair.sent(choice)
+        return PdChoice(choice.decode.instance_id, choice.prefill.instance_id)
+
+
+class TandemAdaptive(TandemJoint):
+    """`tandem_adaptive`: the joint choice that may serve a request on a decode instance alone
+    (`scheduler.pd_choice: adaptive`) when that is predicted sooner."""
+
+    name = "tandem_adaptive"
+    local = True
+
+
+#: Every rule of the simulator, by name.
 RULES: dict[str, Callable[[], PdRule]] = {
     "aggregated": Aggregated,
     "dynamo": Dynamo,
@@ -311,16 +358,13 @@ RULES: dict[str, Callable[[], PdRule]] = {
     "aibrix": AIBrix,
     "motor": Motor,
     "tandem_least_load": TandemLeastLoad,
+    "tandem_joint": TandemJoint,
+    "tandem_adaptive": TandemAdaptive,
 }
-
-#: Rules the issue names that are not built yet (designed separately); the CLI says so instead of running them.
-PLANNED = ("tandem_joint", "tandem_adaptive")
 
 
 def create_rule(name: str) -> PdRule:
     """A fresh rule by name; ValueError naming the known ones."""
-    if name in PLANNED:
-        raise ValueError(f"P/D rule {name!r} is not implemented yet (planned; known: {', '.join(RULES)})")
     try:
         return RULES[name]()
     except KeyError:

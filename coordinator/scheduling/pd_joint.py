@@ -110,6 +110,8 @@ class PdJoint:
         self.local = local
         self.clock = clock
         self.transfers = Transfers()
+        #: Where a candidate sits (its registered node; the fleet simulator maps its own).
+        self.node_of: Callable[[Candidate], str] = lambda c: c.state.info.node_id
 
     def prefill_s(self, c: Candidate, isl: int) -> float:
         """Predicted time until `c` has computed this prompt (queue included)."""
@@ -124,8 +126,8 @@ class PdJoint:
     def transfer(self, p: Candidate, d: Candidate, isl: int) -> tuple[float, int, bool]:
         """Predicted transfer time P -> D, the tokens moved, and whether it crosses nodes."""
         tokens = _uncached(d, isl)
-        link, keys = self.topology.link(p.state.info.node_id, d.state.info.node_id)
-        cross = self.topology.cross_node(p.state.info.node_id, d.state.info.node_id)
+        link, keys = self.topology.link(self.node_of(p), self.node_of(d))
+        cross = self.topology.cross_node(self.node_of(p), self.node_of(d))
         if not tokens:
             return 0.0, 0, cross
         nbytes = tokens * self.params.kv_bytes_per_token
@@ -156,9 +158,7 @@ class PdJoint:
             raise ValueError("choose needs at least one decode candidate")
         p = self.params
         pool = self.decode_pool(decodes)
-        fastest = min(
-            (self.topology.of(d.state.info.node_id).intra.bandwidth for d in pool), default=math.inf
-        )
+        fastest = min((self.topology.of(self.node_of(d)).intra.bandwidth for d in pool), default=math.inf)
         ps = sorted(prefills, key=lambda c: (self.prefill_s(c, isl), c.instance_id))[: p.top_k]
         ds = sorted(
             pool,
@@ -203,7 +203,7 @@ class PdJoint:
         """The pair's prefill leg is on its way: its transfer shares its link until it is predicted done."""
         if choice.prefill is None or not choice.transfer_tokens:
             return
-        _, keys = self.topology.link(choice.prefill.state.info.node_id, choice.decode.state.info.node_id)
+        _, keys = self.topology.link(self.node_of(choice.prefill), self.node_of(choice.decode))
         self.transfers.start(keys, self.clock() + choice.ttft_s)
 
 

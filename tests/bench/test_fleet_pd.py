@@ -9,7 +9,7 @@ import pytest
 from bench.fleet.instance import EngineSpec
 from bench.fleet.links import Links, Topology
 from bench.fleet.pd import PdConfig, PdFleet, refine, simulate_pd, splits, spread
-from bench.fleet.pd_rules import PLANNED, RULES, PdView, create_rule
+from bench.fleet.pd_rules import RULES, PdView, create_rule
 from bench.fleet.workload import PromptSource, arrivals
 from coordinator.instances import InstanceInfo, InstanceState
 from coordinator.scheduling import Candidate, KvMatch, RequestFacts
@@ -217,10 +217,17 @@ def test_dynamo_and_llm_d_thresholds():
     assert create_rule("llm_d").decide(short, _view()).prefill is not None  # nonCachedTokens 0: always P/D
 
 
-@pytest.mark.parametrize("name", PLANNED)
-def test_planned_rules_are_refused_not_faked(name):
-    with pytest.raises(ValueError, match="not implemented yet"):
-        create_rule(name)
+def test_tandem_joint_pairs_within_a_node_and_adaptive_keeps_short_prompts_local():
+    view = _view()
+    long = RequestFacts("r", "m", 5000, 8)
+    choice = create_rule("tandem_joint").decide(long, view)
+    assert view.node[choice.prefill] == view.node[choice.decode]  # the KV stays on the node's fabric
+    assert create_rule("tandem_adaptive").decide(RequestFacts("r", "m", 40, 8), view).prefill is None
+
+
+def test_unknown_rules_are_refused():
+    with pytest.raises(ValueError, match="unknown P/D rule"):
+        create_rule("nope")
 
 
 def test_cli_writes_one_row_per_rule(tmp_path):
@@ -237,8 +244,8 @@ def test_cli_writes_one_row_per_rule(tmp_path):
     assert len(rows) == 2 and rows[1].split("|")[2].strip() == "1:1"
 
 
-def test_cli_refuses_planned_rules():
+def test_cli_refuses_unknown_rules():
     from bench.fleet.__main__ import main
 
-    with pytest.raises(SystemExit, match="not implemented yet"):
-        main(["pd", "--trace", "conversation", "--requests", "5", "--rules", "tandem_joint"])
+    with pytest.raises(SystemExit, match="is unknown"):
+        main(["pd", "--trace", "conversation", "--requests", "5", "--rules", "tandem_jointly"])
