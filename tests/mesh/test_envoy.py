@@ -188,7 +188,8 @@ def test_coordinator_replicas_are_one_health_checked_cluster(tmp_path):
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     single = hcm_of(build_envoy_config(parse_mesh_config({}), DESCRIPTOR)["static_resources"]["listeners"][0])
     again = single["http_filters"][0]["typed_config"]["grpc_service"]["retry_policy"]
-    assert again["num_retries"] == 40 and again["retry_back_off"]["max_interval"] == "0.25s"
+    # Envoy takes max_interval as the per-try timeout too: the decision timeout, so a slow decision is never cut.
+    assert again["num_retries"] == 40 and again["retry_back_off"]["max_interval"] == "5s"
     assert "retry_host_predicate" not in again
     alone = build_envoy_config(parse_mesh_config({}), DESCRIPTOR)["static_resources"]["clusters"]
     breakers = next(c for c in alone if c["name"] == "coordinator")["circuit_breakers"]["thresholds"][0]
