@@ -93,10 +93,12 @@ class TicketTable:
         grace_s: float = 2.0,
         clock: Callable[[], float] = time.time,
         incarnation: str | None = None,
+        stale_s: float = 30.0,
     ) -> None:
         self.ledger = ledger
         self.lifetime_s = lifetime_s
         self.grace_s = grace_s
+        self.stale_s = stale_s
         self.clock = clock
         self.incarnation = incarnation or os.urandom(4).hex()
         self.counters = TicketCounters()
@@ -180,12 +182,14 @@ class TicketTable:
         self._streams += 1
 
     def stream_closed(self) -> None:
-        """An ALS stream ended; with none left, entries are lost until one reconnects: every outstanding
-        ticket becomes unconfirmed."""
+        """An ALS stream ended: the entries it would have carried are lost (Envoy died, or its connection broke),
+        and which tickets they were is unknown, since each Envoy worker logs on a stream of its own and a
+        restarted Envoy may connect its new streams before the old ones are seen closing: every outstanding
+        ticket becomes unconfirmed (`reconcile` ends only those whose engines then report idle; the others still
+        end by their entries)."""
         self._streams = max(0, self._streams - 1)
-        if self._streams == 0:
-            for ticket in self._tickets.values():
-                ticket.unconfirmed = True
+        for ticket in self._tickets.values():
+            ticket.unconfirmed = True
 
     @property
     def streams(self) -> int:
@@ -193,14 +197,16 @@ class TicketTable:
         return self._streams
 
     def reconcile(self, loads: Mapping[str, EngineSample]) -> list[str]:
-        """Ends unconfirmed routed tickets whose engines all report nothing running or waiting, in a sample
-        taken at least `grace_s` after the decision left (a decision still being made, say during a handoff
-        prefill leg, is never reconciled); returns their ids."""
+        """Ends routed tickets whose engines all report nothing running or waiting, in a sample taken at least
+        `grace_s` after the decision left for an unconfirmed ticket, `stale_s` for any other (an entry can also
+        be lost while streams are up: Envoy killed after its successor connected, or the entry dropped by Envoy;
+        an engine idle that long after the request left is not serving it). A decision still being made, say
+        during a handoff prefill leg, is never reconciled. Returns their ids."""
         done = []
         for ticket in list(self._tickets.values()):
-            if not ticket.unconfirmed or not ticket.routed or not ticket.commitments:
+            if not ticket.routed or not ticket.commitments:
                 continue
-            settled = ticket.routed_at + self.grace_s
+            settled = ticket.routed_at + (self.grace_s if ticket.unconfirmed else self.stale_s)
             idle = True
             for iid in ticket.instance_ids:
                 load = loads.get(iid)

@@ -285,6 +285,17 @@ def test_lost_entries_are_reconciled_with_idle_engines_not_busy_ones():
     assert ledger.requests("i0") == 0 and ledger.requests("i1") == 1
 
 
+def test_a_confirmed_ticket_whose_entry_never_comes_is_reconciled_once_its_engine_stays_idle():
+    ledger, table, now = make_table(lifetime=1000)
+    table.stream_opened()
+    ticket = table.issue([ledger.commit("i0", 5, 5)], "a")
+    table.routed(ticket)
+    assert table.reconcile({"i0": EngineLoad(sampled_at=29.0)}) == []  # idle, but the entry may still come
+    assert table.reconcile({"i0": EngineLoad(running=1, sampled_at=31.0)}) == []  # still served
+    assert table.reconcile({"i0": EngineLoad(sampled_at=31.0)}) == [ticket.id]
+    assert ledger.total_requests == 0
+
+
 def test_tickets_issued_before_any_stream_are_unconfirmed_and_restarts_do_not_collide():
     ledger, table, _ = make_table()
     ticket = table.issue([ledger.commit("i0", 1, 1)])
