@@ -292,7 +292,8 @@ class MeshConfig(BaseModel):
             self.envoy.http_listen,
             self.envoy.grpc_listen,
             self.envoy.callback_listen,
-        ]  # admin: a socket
+            self.envoy.admin_listen,
+        ]
         envoy += [a for a in (self.envoy.grpc_address, self.coordinator.metaserver_address) if a]
         return NodeBook(
             owners={k: frozenset(v) for k, v in owners.items()},
