@@ -200,17 +200,25 @@ class TicketTable:
         """Ends routed tickets whose engines all report nothing running or waiting, in a sample taken at least
         `grace_s` after the decision left for an unconfirmed ticket, `stale_s` for any other (an entry can also
         be lost while streams are up: Envoy killed after its successor connected, or the entry dropped by Envoy;
-        an engine idle that long after the request left is not serving it). A decision still being made, say
-        during a handoff prefill leg, is never reconciled. Returns their ids."""
+        an engine idle that long after the request left is not serving it). An engine this replica has no sample of
+        (deregistered, or its heartbeats reach another replica) counts as idle `stale_s` after the decision left.
+        A decision still being made, say during a handoff prefill leg, is never reconciled. Returns their ids."""
         done = []
+        now = self.clock()
         for ticket in list(self._tickets.values()):
             if not ticket.routed or not ticket.commitments:
                 continue
             settled = ticket.routed_at + (self.grace_s if ticket.unconfirmed else self.stale_s)
+            unheard = now - ticket.routed_at >= self.stale_s  # long enough to give up on a sample here
             idle = True
             for iid in ticket.instance_ids:
                 load = loads.get(iid)
-                if load is None or load.sampled_at < settled or load.running or load.waiting:
+                if load is None or not load.sampled_at:  # gone, or never sampled by this replica
+                    if unheard:
+                        continue
+                    idle = False
+                    break
+                if load.sampled_at < settled or load.running or load.waiting:
                     idle = False
                     break
             if idle:
