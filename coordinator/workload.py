@@ -62,6 +62,11 @@ class Commitment:
     released_at: float = 0.0
     started: bool | None = None  # from release(): False when the request is known to have produced no token
 
+    @property
+    def context_now(self) -> int:
+        """Context (KV) tokens the leg holds now: its prompt plus the output generated so far."""
+        return self.context_tokens - (self.decode_tokens - self.decode_done)
+
 
 @dataclass(slots=True)
 class _Progress:
@@ -219,7 +224,7 @@ class WorkloadLedger:
             return None
         before = {id(c) for c in decoding_before}
         started = [c for c in track.decoding.values() if id(c) not in before]
-        contexts = [c.context_tokens - (c.decode_tokens - c.decode_done) for c in decoding_before + started]
+        contexts = [c.context_now for c in decoding_before + started]
         return Interval(
             seconds=now - since,
             prefill_tokens=computed,
@@ -314,7 +319,7 @@ class WorkloadLedger:
         legs = [c for c in track.decoding.values() if not c.released] if track is not None else []
         if not legs:
             return 0, 0.0
-        return len(legs), sum(c.context_tokens - (c.decode_tokens - c.decode_done) for c in legs) / len(legs)
+        return len(legs), sum(c.context_now for c in legs) / len(legs)
 
     def requests(self, instance_id: str) -> int:
         """Request legs in flight on `instance_id`."""
