@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.harness import Etcd, free_ports, wait_until
 from bench.steady_load import SteadyLoad
 from mesh.config import parse_mesh_config
+from mesh.envoy import ADMIN_SOCKET_NAME, admin_get
 from tandem import tls
 from tandem.v1 import admin_pb2, admin_pb2_grpc, node_agent_pb2, node_agent_pb2_grpc
 
@@ -83,7 +83,6 @@ def multi_node_config(engines_per_node: int = 1, speedup: float = 10, etcd: str 
         "envoy": {
             "http_listen": addr[0],
             "grpc_listen": addr[1],
-            "admin_listen": addr[2],
             "callback_listen": addr[7],
             "base_id": ports[0],
             "engines_cluster": "static",
@@ -205,9 +204,7 @@ class UpProcess:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def envoy_ready(self) -> bool:
-        url = f"http://{self.config['envoy']['admin_listen']}/ready"
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
+        return admin_get(self.run_dir / ADMIN_SOCKET_NAME, "/ready", timeout=1)[0] == 200
 
 
 #: What a check of a mesh in the middle of a fault may raise while it recovers: "not yet", not a failure.

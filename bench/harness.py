@@ -175,7 +175,6 @@ def mesh_config(
         "envoy": {
             "http_listen": addr[0],
             "grpc_listen": addr[1],
-            "admin_listen": addr[2],
             "callback_listen": f"127.0.0.1:{ports[9 + engines]}",
             "base_id": ports[0],
         },

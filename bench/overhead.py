@@ -220,7 +220,7 @@ class Bench:
         data["envoy"].update(
             http_listen=f"127.0.0.1:{ports[0]}",
             grpc_listen=f"127.0.0.1:{ports[1]}",
-            admin_listen=f"127.0.0.1:{ports[2]}",
+            admin_socket=str(self.workdir / "envoy-ext-proc-admin.sock"),
             callback_listen=f"127.0.0.1:{ports[3]}",
             base_id=ports[0],
             decision="ext_proc",

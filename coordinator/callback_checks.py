@@ -95,6 +95,11 @@ def _port_problem(port: Any, lowest: int = 1) -> str | None:
     return None
 
 
+#: Why a callback whose URL token is not that of an open request attempt is refused (also when no attempt with
+#: its id is open: the two are not told apart).
+TOKEN_REFUSED = "the callback URL's token does not belong to an open request attempt"
+
+
 def callback_problem(
     expected_token: str,
     token: str,
@@ -106,7 +111,7 @@ def callback_problem(
 ) -> str | None:
     """Why a callback must be refused; None when it may proceed."""
     if not token or not hmac.compare_digest(expected_token.encode(), token.encode()):
-        return "the callback URL's token does not belong to this request attempt"
+        return TOKEN_REFUSED
     host = str(facts.get("remote_host") or "")
     if not host_allowed(host, decode_host, networks):
         return f"remote_host {host!r} is not the host of the decode instance chosen for this request ({decode_host})"

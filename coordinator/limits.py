@@ -1,7 +1,7 @@
 """Limits on what one OpenAI request may ask for, checked before any work is spent on it (pure functions).
 
 Envoy already bounds the body (`tandem.limits.MAX_BODY_BYTES`, 413) and the headers; these bound what a small
-body can still demand: outputs (`max_tokens`, `n`), how many prompts are tokenized, how deep the JSON nests, and
+body can still demand: outputs (`max_tokens`, `n`, `best_of`, log probabilities), how many prompts are tokenized, how deep the JSON nests, and
 prompt plus output within the model's context. Each violation is an OpenAIError 400 naming the field.
 """
 
@@ -23,6 +23,12 @@ class RequestLimits(BaseModel):
     """Largest `max_tokens` / `max_completion_tokens` (per choice); a model's `max_model_len` may lower it."""
     max_n: int = Field(default=16, gt=0)
     """Largest `n` (choices per prompt)."""
+    max_best_of: int = Field(default=16, gt=0)
+    """Largest `best_of` (sequences generated per prompt, of which `n` are returned: each costs as much as a
+    choice)."""
+    max_logprobs: int = Field(default=20, gt=0)
+    """Largest `logprobs` (completions), `top_logprobs` (chat) and `prompt_logprobs` (vLLM's extension; per prompt
+    token): vLLM's own default `--max-logprobs`."""
     max_prompts: int = Field(default=64, gt=0)
     """Most prompts in one completions request (a list of prompts)."""
     max_messages: int = Field(default=4096, gt=0)
@@ -32,6 +38,9 @@ class RequestLimits(BaseModel):
     max_chars_per_token: int = Field(default=16, gt=0)
     """With a model's `max_model_len`, a prompt longer than this many characters per token of context is refused
     before it is tokenized (tokenizing megabytes would hold the coordinator for seconds)."""
+    max_prompt_chars: int = Field(default=2 * 1024 * 1024, gt=0)
+    """Longest prompt in characters (all prompts or messages of a request together) for every model, also one
+    without `max_model_len`: refused before it is tokenized or reaches an engine."""
 
 
 def json_depth(value: Any, limit: int) -> int:
@@ -65,9 +74,16 @@ def check_body(api: str, body: dict[str, Any], limits: RequestLimits) -> None:
         value = _int_field(body, key)
         if value is not None and value > limits.max_tokens:
             raise OpenAIError(400, f"`{key}` is {value}; at most {limits.max_tokens} is allowed.", key)
-    n = _int_field(body, "n")
-    if n is not None and n > limits.max_n:
-        raise OpenAIError(400, f"`n` is {n}; at most {limits.max_n} is allowed.", "n")
+    for key, limit in (
+        ("n", limits.max_n),
+        ("best_of", limits.max_best_of),
+        ("logprobs", limits.max_logprobs),
+        ("top_logprobs", limits.max_logprobs),
+        ("prompt_logprobs", limits.max_logprobs),
+    ):
+        value = _int_field(body, key)
+        if value is not None and value > limit:
+            raise OpenAIError(400, f"`{key}` is {value}; at most {limit} is allowed.", key)
     if api == "chat.completions":
         messages = body.get("messages")
         if isinstance(messages, list) and len(messages) > limits.max_messages:
@@ -107,16 +123,22 @@ def prompt_chars(api: str, body: dict[str, Any]) -> int:
 def check_prompt_size(
     api: str, body: dict[str, Any], max_model_len: int | None, limits: RequestLimits, model: str
 ) -> None:
-    """Refuses (400) a prompt far beyond the model's context before tokenizing it."""
-    if not max_model_len:
-        return
+    """Refuses (400) a prompt far beyond the model's context, or longer than `max_prompt_chars`, before tokenizing
+    it."""
     chars = prompt_chars(api, body)
-    if chars > max_model_len * limits.max_chars_per_token:
-        param = "messages" if api == "chat.completions" else "prompt"
+    param = "messages" if api == "chat.completions" else "prompt"
+    if max_model_len and chars > max_model_len * limits.max_chars_per_token:
         raise OpenAIError(
             400,
             f"The prompt ({chars} characters) cannot fit the {max_model_len} tokens `{model}` takes "
             "(max_model_len).",
+            param,
+        )
+    if chars > limits.max_prompt_chars:
+        raise OpenAIError(
+            400,
+            f"The prompt ({chars} characters) is longer than the {limits.max_prompt_chars} characters this "
+            "server accepts (max_prompt_chars).",
             param,
         )
 

@@ -22,8 +22,8 @@ from typing import Any
 from google.protobuf import json_format
 
 from coordinator import metrics
-from coordinator.attempts import Attempt, AttemptRegistry
-from coordinator.callback_checks import callback_problem, mint_token
+from coordinator.attempts import Attempt, AttemptRegistry, UnknownAttempt
+from coordinator.callback_checks import TOKEN_REFUSED, callback_problem, mint_token
 from coordinator.handoff import HandoffRunner
 from coordinator.picker import Pick
 from tandem.netaddr import split_host_port
@@ -116,7 +116,12 @@ class TriggerCoordinator:
     async def callback(self, req: metaserver_pb2.TriggerRequest) -> None:
         """One decode-engine callback (see `AttemptRegistry.callback` for the rules)."""
         facts = callback_facts(req)
-        attempt = self.registry.find(req.request_id)
+        try:
+            attempt = self.registry.find(req.request_id)
+        except UnknownAttempt:
+            # Refused as a wrong token is: a caller without an attempt's token learns nothing, not even whether an
+            # attempt with that id is open (a 404 here would confirm guessed ids).
+            raise CallbackRefused(f"callback for {req.request_id!r} refused: {TOKEN_REFUSED}") from None
         pick, _ = attempt.context
         info = pick.target.instance.info
         index = attempt.expected.index(req.request_id) if req.request_id in attempt.expected else 0

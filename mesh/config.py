@@ -16,7 +16,7 @@ from coordinator.admission import NodeBook
 from coordinator.config import CoordinatorConfig, PdMode
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
-from tandem.netaddr import Address, is_loopback, is_wildcard, split_host_port
+from tandem.netaddr import Address, is_wildcard, split_host_port
 
 __all__ = ["ConfigError", "MeshConfig", "load_mesh_config", "parse_mesh_config"]
 
@@ -37,9 +37,12 @@ class EnvoyConfig(BaseModel):
     callback_listen: Address = "127.0.0.1:9002"
     """The engines' callback listener: only the metaserver callback (JSON, transcoded to `Metaserver.Trigger`),
     HTTPS with the mesh CA; each callback URL carries a per-attempt token."""
-    admin_listen: Address = "127.0.0.1:9901"
-    """Envoy's admin interface (it can stop Envoy: `/quitquitquit`): a loopback address only, for the operator
-    on that machine."""
+    admin_socket: str | None = None
+    """Envoy's admin interface (stats, `/ready`; it can stop Envoy: `/quitquitquit`): a unix socket, mode 0600,
+    never a network port. Unset: `<run-dir>/envoy-admin.sock` under `tandem up` (`tandem envoy-config`:
+    `run/envoy-admin.sock`). At most 100 bytes (the kernel's limit for socket paths)."""
+    admin_listen: str | None = None
+    """Removed: the admin interface is a unix socket (`admin_socket`); a mesh file that sets it is refused."""
     base_id: int = 0
     """Envoy `--base-id`; distinct per Envoy on one machine."""
     ext_proc_timeout_ms: int = Field(default=5000, gt=0)
@@ -66,11 +69,20 @@ class EnvoyConfig(BaseModel):
     max_connections: int = Field(default=10000, gt=0)
     """Connections Envoy accepts over all listeners (overload manager); past it new ones are refused."""
     max_connections_per_listener: int = Field(default=4096, gt=0)
-    """Connections one listener accepts at once."""
+    """Connections one listener accepts at once. From half of it on, Envoy shortens the idle timeout of
+    connections without a request (overload manager, `reduce_timeouts`), down to `min_idle_timeout_s` at 90%."""
+    first_byte_timeout_s: float = Field(default=5.0, gt=0)
+    """A new connection that sends no byte (no request, no TLS handshake) for this long is closed."""
     request_headers_timeout_s: float = Field(default=10.0, gt=0)
-    """A client must send its request headers within this (slow-header clients are cut)."""
-    idle_timeout_s: float = Field(default=300.0, gt=0)
-    """A downstream connection without any stream for this long is closed."""
+    """A client must send its request headers within this of its first byte (slow-header clients are cut)."""
+    request_body_timeout_s: float = Field(default=60.0, gt=0)
+    """A client must send its whole request body within this (trickled bodies are cut with 408). The timer ends
+    when the request goes to the engine (the decision's own time is added), so it never cuts a long response or a
+    long prefill."""
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    """A downstream connection without any stream for this long is closed (shortened near the connection limit)."""
+    min_idle_timeout_s: float = Field(default=1.0, gt=0)
+    """The idle timeout near the connection limit (90% of `max_connections_per_listener`)."""
     max_request_headers_kb: int = Field(default=60, gt=0, le=8192)
     """Largest request header block (KiB) Envoy accepts; larger gets 431."""
 
@@ -89,11 +101,20 @@ class EnvoyConfig(BaseModel):
 
     @field_validator("admin_listen")
     @classmethod
-    def _loopback_admin(cls, value: str) -> str:
-        if not is_loopback(split_host_port(value)[0]):
+    def _no_admin_port(cls, value: str | None) -> str | None:
+        if value is not None:
             raise ValueError(
-                f"{value!r}: Envoy's admin interface can stop Envoy (/quitquitquit); it listens on loopback only"
+                "Envoy's admin interface can stop Envoy (/quitquitquit) and is no longer on a TCP port: remove "
+                "this key (the admin interface is the unix socket envoy.admin_socket, default "
+                "<run-dir>/envoy-admin.sock)"
             )
+        return value
+
+    @field_validator("admin_socket")
+    @classmethod
+    def _socket_path_fits(cls, value: str | None) -> str | None:
+        if value is not None and len(value.encode()) > 100:
+            raise ValueError(f"{value!r}: a unix socket path must be at most 100 bytes")
         return value
 
 

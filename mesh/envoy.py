@@ -6,7 +6,9 @@ computes the values it needs. The rendering keeps the template's comments, so `r
 
 from __future__ import annotations
 
+import http.client
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ from tandem.netaddr import is_ip, join_host_port, split_host_port
 
 #: The template (a folder of the repository, next to the components: Envoy is a process of the mesh).
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
+#: Envoy's admin unix socket in the run directory (`envoy.admin_socket` overrides it).
+ADMIN_SOCKET_NAME = "envoy-admin.sock"
 #: The header Envoy's ORIGINAL_DST cluster reads the engine's `host:port` from; only the coordinator sets it.
 DESTINATION_HEADER = "x-tandem-destination"
 #: The request header the coordinator sets to the client's X-Request-Id (coordinator/request_ids.py), echoed back.
@@ -34,6 +38,11 @@ NODE_HEADER = "tandem-node"
 #: Bodies are buffered for the coordinator's decision: the longest prompt a client may send (the coordinator's gRPC
 #: message limit follows it, `tandem.limits`).
 BUFFER_LIMIT = MAX_BODY_BYTES
+#: Client headers an engine never gets (credentials meant for the mesh or its web front, not for engines).
+ENGINE_REMOVED_HEADERS = ("cookie", "api-key")
+#: The largest metaserver callback body the callback listener takes (413 beyond): the prompt's token ids of a
+#: 256k-token prompt and its block ids fit.
+CALLBACK_BODY_LIMIT = 4 * 1024 * 1024
 #: Envoy's heap past which the overload manager sheds load.
 MAX_HEAP_BYTES = 1024 * 1024 * 1024
 #: Who may call what through the control listener (Envoy RBAC; each service checks its own rules again):
@@ -141,6 +150,37 @@ def _local_replies() -> list[tuple[int, str, str]]:
     ]
 
 
+def _local_errors() -> list[tuple[int, str, str, str]]:
+    """(status, OpenAI type, message, CEL condition) of the errors Envoy answers itself besides `_local_replies`,
+    most specific first: the client gets OpenAI's JSON error shape with Envoy's reason."""
+    reason = " (%RESPONSE_CODE_DETAILS%)"
+    underscore = "response.code_details.endsWith('unexpected_underscore')"
+    return [
+        (400, "BadRequestError", "Header names with underscores are not accepted.", underscore),
+        (400, "BadRequestError", "The request is malformed" + reason + ".", "response.code == 400"),
+        (404, "NotFoundError", "Not found" + reason + ".", "response.code == 404"),
+        (500, "InternalServerError", "The mesh failed this request" + reason + ".", "response.code == 500"),
+        (
+            502,
+            "BadGatewayError",
+            "The engine's answer was not valid" + reason + "; retry shortly.",
+            "response.code == 502",
+        ),
+        (
+            503,
+            "ServiceUnavailableError",
+            "The engine for this request could not be reached" + reason + "; retry shortly.",
+            "response.code == 503",
+        ),
+        (
+            504,
+            "GatewayTimeoutError",
+            "The engine for this request sent nothing in time" + reason + ".",
+            "response.code == 504",
+        ),
+    ]
+
+
 def api_keys_configured(mesh: MeshConfig) -> bool:
     """Whether the coordinator checks API keys (it refuses to start when a named file or variable holds none;
     tenants bring keys too)."""
@@ -148,9 +188,38 @@ def api_keys_configured(mesh: MeshConfig) -> bool:
     return bool(c.api_keys_file or c.api_keys_env or c.tenants or c.tenants_file)
 
 
-def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None = None) -> str:
+def admin_socket_path(mesh: MeshConfig, run_dir: Path) -> Path:
+    """Envoy's admin unix socket: `envoy.admin_socket`, else `<run_dir>/envoy-admin.sock`."""
+    return Path(mesh.envoy.admin_socket) if mesh.envoy.admin_socket else run_dir / ADMIN_SOCKET_NAME
+
+
+def admin_get(socket_path: Path | str, path: str, timeout: float = 5.0) -> tuple[int, str]:
+    """GET `path` (e.g. `/ready`, `/stats?filter=...`) from Envoy's admin interface at its unix socket: the
+    status and the body. Raises OSError when the socket does not answer."""
+
+    class _Connection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(str(socket_path))
+
+    connection = _Connection("envoy-admin", timeout=timeout)
+    try:
+        connection.request("GET", path)
+        reply = connection.getresponse()
+        return reply.status, reply.read().decode(errors="replace")
+    except http.client.HTTPException as exc:
+        raise OSError(f"Envoy admin {socket_path}: {exc}") from exc
+    finally:
+        connection.close()
+
+
+def render_envoy_config(
+    mesh: MeshConfig, descriptor: Path, certs: Path | None = None, admin_socket: Path | None = None
+) -> str:
     """The bootstrap YAML for `mesh`, comments included; `descriptor` is the `tandem.v1` descriptor set; `certs`
-    the directory of `tandem certs` (default ./certs), unused in insecure mode."""
+    the directory of `tandem certs` (default ./certs), unused in insecure mode; `admin_socket` Envoy's admin unix
+    socket (default: `admin_socket_path` in ./run)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATE.parent),
         undefined=jinja2.StrictUndefined,
@@ -160,6 +229,10 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
     env.filters["cluster_type"] = cluster_type
     envoy = mesh.envoy
     ext_proc_s = envoy.ext_proc_timeout_ms / 1000
+    prefill_budget_s = max(mesh.coordinator.prefill_budget_s, ext_proc_s)
+    # The longest a decision may hold a whole request before it goes to an engine: ext_proc's extended timer (a
+    # handoff's prefill leg runs during it), else one decision call.
+    decision_max_s = prefill_budget_s if mesh.decision_path == "ext_proc" else ext_proc_s
     agents = [(a.node_id, split_host_port(a.listen)) for a in mesh.node_agents]
     engines = _engine_endpoints(mesh) if envoy.engines_cluster == "static" else []
     tls = None
@@ -176,12 +249,12 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
             "http": split_host_port(envoy.http_listen),
             "grpc": split_host_port(envoy.grpc_listen),
             "callback": split_host_port(envoy.callback_listen),
-            "admin": split_host_port(envoy.admin_listen),
         },
+        admin_socket=str(admin_socket or admin_socket_path(mesh, Path("run"))),
         descriptor=str(descriptor),
         timeouts={
             "ext_proc": _seconds(ext_proc_s),
-            "ext_proc_max": _seconds(max(mesh.coordinator.prefill_budget_s, ext_proc_s)),
+            "ext_proc_max": _seconds(prefill_budget_s),
             "access_log_flush": _seconds(envoy.access_log_flush_ms / 1000),
         },
         decision=mesh.decision_path,
@@ -208,12 +281,26 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         listener_header=tandem_tls.LISTENER_HEADER,
         client_id_header=CLIENT_ID_HEADER,
         local_replies=_local_replies(),
+        local_errors=_local_errors(),
+        engine_removed_headers=list(ENGINE_REMOVED_HEADERS)
+        + (list(API_KEY_HEADERS) if api_keys_configured(mesh) else []),
         limits={
             "max_connections": envoy.max_connections,
             "max_connections_per_listener": envoy.max_connections_per_listener,
             "max_heap_bytes": MAX_HEAP_BYTES,
             "request_headers_timeout": _seconds(envoy.request_headers_timeout_s),
+            "request_timeout": _seconds(envoy.request_body_timeout_s + decision_max_s),
+            "first_byte_timeout": _seconds(envoy.first_byte_timeout_s),
             "idle_timeout": _seconds(envoy.idle_timeout_s),
+            "min_idle_timeout": _seconds(min(envoy.min_idle_timeout_s, envoy.idle_timeout_s)),
+            # The overload manager sees all listeners' connections together: it shortens idle timeouts from half
+            # of one listener's limit on and reaches the shortest at 90% of it.
+            "scale_from": round(
+                min(0.5, 0.5 * envoy.max_connections_per_listener / envoy.max_connections), 4
+            ),
+            "scale_until": round(
+                min(0.9, 0.9 * envoy.max_connections_per_listener / envoy.max_connections), 4
+            ),
             "max_request_headers_kb": envoy.max_request_headers_kb,
         },
         coordinators=[split_host_port(a) for a in mesh.coordinator.replica_endpoints],
@@ -226,18 +313,27 @@ def render_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None =
         destination_header=DESTINATION_HEADER,
         node_header=NODE_HEADER,
         buffer_limit=BUFFER_LIMIT,
+        callback_body_limit=CALLBACK_BODY_LIMIT,
         no_destination_body=_NO_DESTINATION,
         no_coordinator_body=_NO_COORDINATOR,
     )
 
 
-def build_envoy_config(mesh: MeshConfig, descriptor: Path, certs: Path | None = None) -> dict[str, Any]:
+def build_envoy_config(
+    mesh: MeshConfig, descriptor: Path, certs: Path | None = None, admin_socket: Path | None = None
+) -> dict[str, Any]:
     """The rendered bootstrap as a document (for checks and tests)."""
-    return yaml.safe_load(render_envoy_config(mesh, descriptor, certs))
+    return yaml.safe_load(render_envoy_config(mesh, descriptor, certs, admin_socket))
 
 
-def write_envoy_config(mesh: MeshConfig, descriptor: Path, path: Path, certs: Path | None = None) -> Path:
+def write_envoy_config(
+    mesh: MeshConfig,
+    descriptor: Path,
+    path: Path,
+    certs: Path | None = None,
+    admin_socket: Path | None = None,
+) -> Path:
     """Writes the rendered bootstrap to `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_envoy_config(mesh, descriptor, certs))
+    path.write_text(render_envoy_config(mesh, descriptor, certs, admin_socket))
     return path

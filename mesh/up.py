@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh.certs import CertError, ensure_certs
 from mesh.config import MeshConfig
-from mesh.envoy import write_envoy_config
+from mesh.envoy import admin_get, admin_socket_path, write_envoy_config
 from mesh.security import CERTS_ENV, certs_dir
 from tandem import tls as tandem_tls
 from tandem.protogen import DESCRIPTOR
@@ -120,10 +119,9 @@ def _grpc_serving(address: str, tls: TlsFiles | None = None, role: str = "coordi
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _http_ok(url: str) -> bool:
+def _envoy_ready(admin_socket: Path) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=0.5) as resp:
-            return resp.status == 200
+        return admin_get(admin_socket, "/ready", timeout=0.5)[0] == 200
     except OSError:
         return False
 
@@ -205,11 +203,14 @@ class Mesh:
             _wait(component, lambda a=address: _grpc_serving(a, self.tls, "conductor"), 30)
         for component, address in coordinators:
             _wait(component, lambda a=address: _grpc_serving(a, self.tls), 30)
-        envoy_yaml = write_envoy_config(self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml", self.certs)
+        admin_socket = admin_socket_path(self.mesh, self.run_dir)
+        envoy_yaml = write_envoy_config(
+            self.mesh, DESCRIPTOR, self.run_dir / "envoy.yaml", self.certs, admin_socket
+        )
         envoy_argv = [envoy_binary(), "-c", str(envoy_yaml), "--base-id", str(self.mesh.envoy.base_id)]
         envoy_argv += ["--log-level", self.mesh.envoy.log_level, "--concurrency", "1"]
         envoy = self._component("envoy", envoy_argv)
-        _wait(envoy, lambda: _http_ok(f"http://{self.mesh.envoy.admin_listen}/ready"), 30)
+        _wait(envoy, lambda: _envoy_ready(admin_socket), 30)
         for agent in self.mesh.node_agents:
             argv = [py, "-m", "mesh", "agent", "--config", self.config_path, "--node", agent.node_id]
             component = self._component(f"agent-{agent.node_id}", argv, node_id=agent.node_id)
@@ -350,7 +351,7 @@ def print_urls(mesh: MeshConfig, run_dir: Path, certs: Path | None = None) -> No
 Tandem is up.
   OpenAI API     http://{http}/v1          (models: {", ".join(models) or "none"})
   gRPC admin     {grpc_addr}              grpcurl {grpcurl_flags(certs)} {grpc_addr} list
-  Envoy admin    http://{mesh.envoy.admin_listen}/   (loopback only)
+  Envoy admin    curl --unix-socket {admin_socket_path(mesh, run_dir)} http://envoy/ready   (owner only)
 {security}  logs           {run_dir}/
 
 Try:

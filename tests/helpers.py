@@ -316,6 +316,14 @@ class RunningMesh:
         except TimedOut:
             raise RuntimeError(f"tandem up not ready in {timeout}s:\n{self.output.read_text()}") from None
 
+    def envoy_admin(self, path: str) -> str:
+        """The body of a GET of `path` from Envoy's admin interface (its unix socket in the run directory)."""
+        from mesh.envoy import ADMIN_SOCKET_NAME, admin_get
+
+        status, body = admin_get(self.run_dir / ADMIN_SOCKET_NAME, path)
+        assert status == 200, (path, status, body)
+        return body
+
     def admin(self) -> admin_pb2_grpc.AdminStub:
         return admin_pb2_grpc.AdminStub(self.channel())
 

@@ -89,7 +89,9 @@ def test_a_superseded_attempt_closing_twice_never_raises():
 
 # -- limits -------------------------------------------------------------------------------------------------------
 
-LIMITS = RequestLimits(max_tokens=100, max_n=2, max_prompts=3, max_messages=4, max_json_depth=5)
+LIMITS = RequestLimits(
+    max_tokens=100, max_n=2, max_best_of=3, max_logprobs=5, max_prompts=3, max_messages=4, max_json_depth=5
+)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +100,11 @@ LIMITS = RequestLimits(max_tokens=100, max_n=2, max_prompts=3, max_messages=4, m
         ("completions", {"max_tokens": 101}, "max_tokens"),
         ("chat.completions", {"max_completion_tokens": 101}, "max_completion_tokens"),
         ("completions", {"n": 3}, "n"),
+        ("completions", {"best_of": 4}, "best_of"),
+        ("completions", {"prompt_logprobs": 6}, "prompt_logprobs"),
+        ("chat.completions", {"prompt_logprobs": 10**6}, "prompt_logprobs"),
+        ("completions", {"logprobs": 6}, "logprobs"),
+        ("chat.completions", {"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
         ("completions", {"prompt": ["a", "b", "c", "d"]}, "prompt"),
         ("chat.completions", {"messages": [{"role": "user"}] * 5}, "messages"),
         ("completions", {"x": [[[[[[1]]]]]]}, None),
@@ -111,6 +118,8 @@ def test_limits_refuse_with_400_naming_the_field(api, body, param):
 
 def test_within_limits_passes():
     check_body("completions", {"max_tokens": 100, "n": 2, "prompt": [1, 2, 3, 4, 5]}, LIMITS)  # token ids
+    check_body("completions", {"best_of": 3, "logprobs": 5, "prompt_logprobs": 5}, LIMITS)
+    check_body("chat.completions", {"logprobs": True, "top_logprobs": 5}, LIMITS)
     check_body("completions", {"prompt": ["a", "b", "c"], "x": [[[1]]]}, LIMITS)
 
 
@@ -272,6 +281,12 @@ def test_prompts_far_beyond_the_context_are_refused_before_tokenizing():
     check_prompt_size("completions", {"prompt": "x" * 10**6}, None, limits, "m")  # no context known
     with pytest.raises(OpenAIError, match="max_model_len"):
         check_prompt_size("completions", {"prompt": "x" * 401}, 100, limits, "m")
+    # Without a context length, the mesh-wide bound still holds (the default mesh's 20 MB prompts).
+    bounded = RequestLimits(max_prompt_chars=1000)
+    check_prompt_size("chat.completions", {"messages": [{"content": "x" * 1000}]}, None, bounded, "m")
+    with pytest.raises(OpenAIError, match="max_prompt_chars") as info:
+        check_prompt_size("chat.completions", {"messages": [{"content": "x" * 1001}]}, None, bounded, "m")
+    assert info.value.status == 400 and info.value.param == "messages"
 
 
 # -- KV block bounds from what the mesh knows (issue 23) -----------------------------------------------------------

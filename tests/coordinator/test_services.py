@@ -123,10 +123,15 @@ async def test_admin_errors_and_config(channel):
 
 
 async def test_metaserver_rejects_unknown_attempts(channel):
+    """An id with no open attempt is refused exactly as a wrong token is (nothing tells a caller without a token
+    which ids exist)."""
     stub = metaserver_pb2_grpc.MetaserverStub(channel)
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.Trigger(metaserver_pb2.TriggerRequest(request_id="cmpl-x#a1-0"))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        await stub.Trigger(metaserver_pb2.TriggerRequest(request_id="cmpl-x#a1-0", token="guess"))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert info.value.details().endswith(
+        "the callback URL's token does not belong to an open request attempt"
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Trigger(metaserver_pb2.TriggerRequest(request_id="cmpl-x#a1-0", replica="c7"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "'c7'" in info.value.details()

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import time
-import urllib.request
 
 from bench.steady_load import SteadyLoad
 from tandem.v1 import admin_pb2
@@ -17,8 +16,7 @@ from tests.helpers import RunningMesh, mesh_config
 
 def envoy_counters(mesh: RunningMesh, pattern: str) -> dict[str, int]:
     """Envoy's counters and gauges whose name matches `pattern` (a regex, as /stats?filter= takes it)."""
-    url = f"http://{mesh.config['envoy']['admin_listen']}/stats?filter={pattern}"
-    lines = urllib.request.urlopen(url, timeout=5).read().decode().splitlines()
+    lines = mesh.envoy_admin(f"/stats?filter={pattern}").splitlines()
     return {name: int(value) for name, value in (line.split(": ", 1) for line in lines) if value.isdigit()}
 
 

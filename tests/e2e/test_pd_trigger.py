@@ -98,14 +98,14 @@ def test_answers_equal_the_aggregated_ones_with_one_prefill_leg_each(mesh, chat)
         set_drained(mesh, "prefill-1", False)
 
 
-def test_unknown_callback_is_404_through_envoy(mesh):
+def test_unknown_callback_is_refused_as_a_wrong_token_through_envoy(mesh):
     url = f"https://{mesh.callback_address}/v1/metaserver/c0/not-a-token"
     reply = httpx.post(
         url,
         json={"request_id": "cmpl-unknown-0", "remote_block_ids": [[1]], "remote_port": 1},
         verify=ssl.create_default_context(cafile=str(mesh.certs / "ca.pem")),
     )
-    assert reply.status_code == 404 and "no open request attempt" in reply.json()["message"]
+    assert reply.status_code == 403 and "token does not belong" in reply.json()["message"]
 
 
 def prefill_tokens_on(mesh, iid: str) -> int:

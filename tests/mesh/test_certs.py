@@ -1,6 +1,7 @@
 """`tandem certs` and the security parts of the mesh file and of Envoy's bootstrap."""
 
 import stat
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -134,9 +135,17 @@ def test_which_certificates_a_component_uses(tmp_path, monkeypatch):
     ).read_text()
 
 
-def test_admin_interface_is_loopback_only():
-    with pytest.raises(ConfigError, match="envoy.admin_listen"):
-        parse_mesh_config({"envoy": {"admin_listen": "0.0.0.0:9901"}})
+def test_admin_interface_is_a_unix_socket_only():
+    """No TCP admin port at all, not even on loopback (any local process could stop Envoy): an old mesh file that
+    names one is refused with the key, and the bootstrap has an owner-only unix socket."""
+    for address in ("0.0.0.0:9901", "127.0.0.1:9901"):
+        with pytest.raises(ConfigError, match="envoy.admin_listen: .*unix socket"):
+            parse_mesh_config({"envoy": {"admin_listen": address}})
+    with pytest.raises(ConfigError, match="envoy.admin_socket: .*100 bytes"):
+        parse_mesh_config({"envoy": {"admin_socket": "/" + "x" * 120}})
+    mesh = parse_mesh_config({"security": {"insecure": True}})
+    admin = build_envoy_config(mesh, DESCRIPTOR, admin_socket=Path("/srv/run/envoy-admin.sock"))["admin"]
+    assert admin["address"] == {"pipe": {"path": "/srv/run/envoy-admin.sock", "mode": 0o600}}
 
 
 def listener(config: dict, name: str) -> dict:

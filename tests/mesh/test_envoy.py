@@ -13,7 +13,13 @@ from cryptography import x509
 
 from mesh.certs import ensure_certs
 from mesh.config import ModelConfig, load_mesh_config, parse_mesh_config
-from mesh.envoy import DESTINATION_HEADER, build_envoy_config, render_envoy_config, write_envoy_config
+from mesh.envoy import (
+    DESTINATION_HEADER,
+    admin_get,
+    build_envoy_config,
+    render_envoy_config,
+    write_envoy_config,
+)
 from mesh.up import envoy_binary
 from tandem.protogen import DESCRIPTOR
 from tests.helpers import assert_envoy_accepts, free_ports, wait_until
@@ -276,21 +282,22 @@ def test_no_coordinator_is_an_openai_503_on_either_decision_path(mesh_file, tmp_
         **data.get("envoy", {}),
         **{
             f"{k}_listen": f"127.0.0.1:{p}"
-            for k, p in zip(["http", "grpc", "callback", "admin"], ports[:4], strict=True)
+            for k, p in zip(["http", "grpc", "callback"], ports[:3], strict=True)
         },
         "base_id": ports[0],
     }
     data["coordinator"] = {**data.get("coordinator", {}), "listen": f"127.0.0.1:{ports[4]}"}
     mesh = parse_mesh_config(data)
     ensure_certs(tmp_path / "certs", mesh)
-    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs")
+    admin = tmp_path / "envoy-admin.sock"
+    path = write_envoy_config(mesh, DESCRIPTOR, tmp_path / "envoy.yaml", tmp_path / "certs", admin)
     envoy = subprocess.Popen(
         [envoy_binary(), "-c", str(path), "--base-id", str(ports[0]), "--log-level", "error"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_until(lambda: _ready(f"http://127.0.0.1:{ports[3]}/ready"), 30, "Envoy ready")
+        wait_until(lambda: _ready(admin), 30, "Envoy ready")
         reply = httpx.post(
             f"http://127.0.0.1:{ports[0]}/v1/completions",
             json={"model": "tandem-sim", "prompt": "hi"},
@@ -304,8 +311,8 @@ def test_no_coordinator_is_an_openai_503_on_either_decision_path(mesh_file, tmp_
     assert "coordinator" in reply.json()["error"]["message"]
 
 
-def _ready(url: str) -> bool:
+def _ready(admin: Path) -> bool:
     try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
+        return admin_get(admin, "/ready", timeout=1)[0] == 200
+    except OSError:
         return False
