@@ -313,8 +313,7 @@ class MeshConfig(BaseModel):
             self.envoy.http_listen,
             self.envoy.grpc_listen,
             self.envoy.callback_listen,
-            self.envoy.admin_listen,
-        ]
+        ]  # admin: a unix socket
         envoy += [a for a in (self.envoy.grpc_address, self.coordinator.metaserver_address) if a]
         return NodeBook(
             owners={k: frozenset(v) for k, v in owners.items()},
