@@ -51,6 +51,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "fleet-signal.md",
     ),
     (
+        "sglang_parity",
+        "SGLang's router as shipped against its re-implementation: the same decisions?",
+        ["bench.sglang_parity", "--output-dir", "{out}"],
+        "sglang-parity.md",
+    ),
+    (
         "routing",
         "Routing quality per workload, cache size and load: every policy (quick grid; `--full` for the sweep)",
         ["bench.fleet", "routing", "--warm", "500", "--output-dir", "{out}"],

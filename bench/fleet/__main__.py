@@ -75,7 +75,9 @@ def _signal_caption(args) -> str:
 
 
 def base_config(args, policy: str, params) -> FleetConfig:
-    return FleetConfig(args.instances, policy, params, engine(args), args.load_interval, signal=args.signal)
+    return FleetConfig(
+        args.instances, policy, params, engine(args), load_interval_s=args.load_interval, signal=args.signal
+    )
 
 
 def workload(args) -> Workload:
@@ -197,7 +199,7 @@ def cmd_validate(args, progress=None) -> tuple[str, float]:
     fleet = {}
     for label in args.rows:
         policy, params = POLICY_ROWS[label]
-        cfg = FleetConfig(args.instances, policy, params, engine(args), load_interval)
+        cfg = FleetConfig(args.instances, policy, params, engine(args), load_interval_s=load_interval)
         fleet[label] = run_many([(cfg, workload(args))], 1)[0]
         if progress is not None:
             progress(1)
@@ -207,7 +209,7 @@ def cmd_validate(args, progress=None) -> tuple[str, float]:
         (
             label,
             replace(
-                FleetConfig(args.instances, *POLICY_ROWS[label], engine(args), load_interval),
+                FleetConfig(args.instances, *POLICY_ROWS[label], engine(args), load_interval_s=load_interval),
                 route_jitter_s=jitter_s,
                 seed=s,
             ),

@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from bench.fleet.instance import EngineSpec, SimInstance
@@ -75,6 +75,7 @@ class FleetConfig:
     policy: str = "kv_affinity"  # scheduling policy type (coordinator.scheduling)
     params: Mapping[str, Any] | None = None  # the policy's parameters
     engine: EngineSpec = EngineSpec()  # every engine's options
+    _: KW_ONLY  # the rest by name only
     #: Relative speed of each instance by index (a mixed fleet: 0.5 takes twice as long for every step); instances
     #: beyond the tuple run at 1.0.
     speeds: tuple[float, ...] = ()

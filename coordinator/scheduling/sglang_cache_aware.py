@@ -6,10 +6,11 @@ through this coordinator:
    candidates), the load is imbalanced: pick the least-loaded candidate (first in id order on ties).
 2. Otherwise take the candidate with the longest cached prefix; if its match rate `matched_tokens / isl` exceeds
    `cache_threshold`, pick it.
-3. Otherwise pick the candidate with the smallest cache tree (`below_threshold: smallest_tree`, the classic
-   router): here the fewest distinct prompt tokens routed to it so far (each routed prompt adds what its tree did
-   not hold yet: the router's `tenant_char_count` grows only by text newly attached to the worker,
-   `sgl-router/src/tree.rs`, `Tree::insert`); or the least-loaded one (`least_load`, newer gateways).
+3. Otherwise pick the least-loaded candidate (`below_threshold: least_load`, the default): sglang-router 0.3.2 as
+   shipped on PyPI decides so, reproduced decision for decision by `bench/sglang_parity.py` (the router in front of
+   recording engines). `smallest_tree` is what the router's older documentation describes: the candidate with the
+   smallest cache tree, here the fewest distinct prompt tokens routed to it so far (each routed prompt adds what
+   its tree did not hold yet, as the router's `tenant_char_count`, `sgl-router/src/tree.rs`, `Tree::insert`).
 Where the prefix match comes from (`tree`):
 - `routed` (default, as the real router): SGLang's router keeps its own approximate tree per worker and inserts
   each prompt into the chosen worker's tree at routing time, never confirmed by the engine; here a
@@ -41,7 +42,7 @@ class Params:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
-    below_threshold: Literal["smallest_tree", "least_load"] = "smallest_tree"
+    below_threshold: Literal["smallest_tree", "least_load"] = "least_load"
     tree: Literal["routed", "kv_events"] = "routed"
     max_tree_blocks: int = 1 << 22
 

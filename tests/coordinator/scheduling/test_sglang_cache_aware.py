@@ -9,8 +9,9 @@ from tests.coordinator.scheduling.fakes import cand, facts
     [
         # balanced, match rate 64/160 = 0.4 > 0.3: the cache holder
         ([cand("a", npu=4, inflight=3), cand("b", inflight=0)], "a"),
-        # balanced, match rate 32/160 = 0.2: smallest tree (nothing routed yet: first in id order)
+        # balanced, match rate 32/160 = 0.2: the least loaded (ties: first in id order)
         ([cand("b", npu=2), cand("a")], "a"),
+        ([cand("a", npu=2, inflight=2), cand("b", inflight=1)], "b"),
         # imbalanced (100 - 10 > 64 and 100 > 15): least loaded, whatever the cache
         ([cand("a", npu=10, inflight=100), cand("b", inflight=10)], "b"),
         # a gap of 64 is not more than 64: still balanced
@@ -30,15 +31,16 @@ def test_routed_prompts_enter_the_chosen_workers_tree_at_routing_time():
     policy = create_policy("sglang_cache_aware")
     first = RequestFacts("r1", "m", 160, 16, prompt_hashes=tuple(range(10)))
     cands = [cand("a"), cand("b", npu=10)]
-    assert policy.pick(first, cands).instance_id == "a"  # nothing routed yet: smallest tree, id order
+    assert policy.pick(first, cands).instance_id == "a"  # nothing routed yet: least loaded, id order
     burst = RequestFacts("r2", "m", 160, 16, prompt_hashes=tuple(range(10)))
-    assert policy.pick(burst, [cand("b", npu=10), cand("a")]).instance_id == "a"  # a's tree: 10 blocks
+    busy_a = [cand("b", npu=10), cand("a", inflight=3)]
+    assert policy.pick(burst, busy_a).instance_id == "a"  # a's tree holds it: a, though busier
     other = RequestFacts("r3", "m", 160, 16, prompt_hashes=(99, 98))
-    assert policy.pick(other, cands).instance_id == "b"  # no match: smallest tree
+    assert policy.pick(other, busy_a).instance_id == "b"  # no match: least loaded
 
 
-def test_below_threshold_goes_to_the_smallest_tree():
-    policy = create_policy("sglang_cache_aware")
+def test_below_threshold_smallest_tree_variant():
+    policy = create_policy("sglang_cache_aware", {"below_threshold": "smallest_tree"})
     cands = [cand("a"), cand("b")]
     assert policy.pick(facts(isl=1000), cands).instance_id == "a"  # a's tree: 1000 tokens
     assert policy.pick(facts(isl=10), cands).instance_id == "b"  # b's tree: 10
@@ -47,7 +49,7 @@ def test_below_threshold_goes_to_the_smallest_tree():
 
 def test_a_tree_grows_only_by_what_it_did_not_hold():
     # The router's tree size per worker counts distinct text: a prompt routed again adds nothing.
-    policy = create_policy("sglang_cache_aware")
+    policy = create_policy("sglang_cache_aware", {"below_threshold": "smallest_tree"})
     cands = [cand("a"), cand("b")]
 
     def request(blocks: range) -> RequestFacts:
@@ -62,6 +64,7 @@ def test_a_tree_grows_only_by_what_it_did_not_hold():
     )  # cold: the smaller tree (160 < 320)
 
 
-def test_below_threshold_least_load_variant():
-    policy = create_policy("sglang_cache_aware", {"below_threshold": "least_load"})
+def test_below_threshold_least_load_by_default():
+    # As sglang-router 0.3.2 decides (bench/sglang_parity.py: 100% of its decisions reproduced).
+    policy = create_policy("sglang_cache_aware")
     assert policy.pick(facts(), [cand("a", inflight=5), cand("b", inflight=2)]).instance_id == "b"
