@@ -9,7 +9,6 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc as ea_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -26,7 +25,7 @@ from coordinator.etcd_state import EtcdState
 from coordinator.ext_authz import Authorization
 from coordinator.ext_proc import ExternalProcessor
 from coordinator.handoff import HandoffRunner
-from coordinator.instance_probe import HealthProber
+from coordinator.instance_probe import HealthProber, health_answers
 from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker
@@ -210,15 +209,6 @@ async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interva
             log.info("tickets reconciled with idle engines", extra={"count": len(reconciled)})
 
 
-async def engine_answers(http: aiohttp.ClientSession, address: str) -> bool:
-    """True when the engine at `address` answers `GET /health` with 200 (within the session's timeout)."""
-    try:
-        async with http.get(f"http://{address}/health", allow_redirects=False) as resp:
-            return resp.status == 200
-    except (TimeoutError, aiohttp.ClientError, OSError):
-        return False
-
-
 async def expire_silent(
     picker: EndpointPicker,
     ttl_s: float,
@@ -234,30 +224,27 @@ async def expire_silent(
     agent does not make its healthy engines unroutable; a dead node's engines do not answer and expire as before).
     With `registry` and `removal_s`, instances silent that long are removed (their ids released)."""
     instances = picker.instances
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=probe_timeout_s)) as http:
-        ask = probe or (lambda address: engine_answers(http, address))
-        while True:
-            await asyncio.sleep(min(ttl_s / 4, 1.0))
-            candidates = instances.to_vouch(ttl_s)
-            if candidates:
-                answers = await asyncio.gather(*(ask(s.info.address) for s in candidates))
-                for state, answered in zip(candidates, answers, strict=True):
-                    iid = state.info.instance_id
-                    if answered and instances.vouch(iid):
-                        log.info(
-                            "agent silent, engine answers its health probe: kept", extra={"instance": iid}
-                        )
-                        if shared is not None:
-                            shared.reported(iid, state.health, state.load)  # keeps its lease in etcd
-            expired = instances.expire(ttl_s)
-            if expired:
-                log.warning("instances silent, marked unhealthy", extra={"instances": expired})
-                publish_instance_counts(instances)
-            if registry is not None and removal_s is not None:
-                removed = registry.remove_silent(removal_s)
-                if removed:
-                    metrics.INSTANCES_REMOVED.inc(len(removed))
-                    log.warning("instances silent, removed", extra={"instances": removed})
+    ask = probe or (lambda address: health_answers(address, probe_timeout_s))
+    while True:
+        await asyncio.sleep(min(ttl_s / 4, 1.0))
+        candidates = instances.to_vouch(ttl_s)
+        if candidates:
+            answers = await asyncio.gather(*(ask(s.info.address) for s in candidates))
+            for state, answered in zip(candidates, answers, strict=True):
+                iid = state.info.instance_id
+                if answered and instances.vouch(iid):
+                    log.info("agent silent, engine answers its health probe: kept", extra={"instance": iid})
+                    if shared is not None:
+                        shared.reported(iid, state.health, state.load)  # keeps its lease in etcd
+        expired = instances.expire(ttl_s)
+        if expired:
+            log.warning("instances silent, marked unhealthy", extra={"instances": expired})
+            publish_instance_counts(instances)
+        if registry is not None and removal_s is not None:
+            removed = registry.remove_silent(removal_s)
+            if removed:
+                metrics.INSTANCES_REMOVED.inc(len(removed))
+                log.warning("instances silent, removed", extra={"instances": removed})
 
 
 def apply_shared_scheduler(mesh: MeshView, picker: EndpointPicker, matcher, section: dict) -> bool:

@@ -15,9 +15,7 @@ import asyncio
 import copy
 import json
 import logging
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from coordinator import metrics
 from coordinator.callback_checks import handoff_params_problem
@@ -25,6 +23,9 @@ from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceInfo
 from coordinator.picker import EndpointPicker, Pick
 from tandem.netaddr import split_host_port
+
+if TYPE_CHECKING:
+    import aiohttp
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,18 @@ class HandoffRunner:
     ) -> None:
         self.picker = picker
         self.kv_hosts = kv_hosts or []  # `coordinator.callback_kv_hosts`: KV NICs besides the HTTP address
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
         self.attempts = attempts
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
+        # Imported at the first prefill leg, not at start: aiohttp's import is a quarter of a second or more of a
+        # restarted coordinator's time out of service, and only P/D meshes send legs.
+        import aiohttp
+
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0)
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), connector=aiohttp.TCPConnector(limit=0)
             )
         return self._session
 
@@ -88,8 +93,11 @@ class HandoffRunner:
     ) -> Any:
         """POSTs a prefill leg; returns the answer's `kv_transfer_params` (checked when `want_params`)."""
         url = f"http://{address}{path}"
+        client = self._client()
+        import aiohttp  # loaded by `_client`
+
         try:
-            async with self._client().post(url, json=body, headers={"X-Request-Id": request_id}) as resp:
+            async with client.post(url, json=body, headers={"X-Request-Id": request_id}) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise PrefillFailed(f"HTTP {resp.status}: {text[:200]}")

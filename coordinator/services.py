@@ -78,7 +78,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self._probes: dict[str, asyncio.Task] = {}  # instance id -> its probe loop, until it answers
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
         self.on_registered: Callable[[], None] | None = (
-            None  # e.g. wakes decisions waiting in the relearn window
+            None  # on a registration and when a probed instance turns routable: wakes the relearn window
         )
 
     def _owner(self, instance_id: str) -> str | None:
@@ -215,6 +215,10 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                         self.shared.verified(iid)
                         publish_instance_counts(self.instances)
                         log.info("instance answered its probe", extra={"instance": iid})
+                        if (
+                            self.on_registered is not None
+                        ):  # routable now: decisions waiting for one try again
+                            self.on_registered()
                     return
                 await asyncio.sleep(self.prober.interval_s)
         finally:

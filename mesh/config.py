@@ -142,8 +142,12 @@ class RestartPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    first_restart_s: float = Field(default=0.0, ge=0)
+    """Delay before restarting a component whose exit is the first of a row (it had run stably, or it is its
+    first): 0 restarts it at once, so a component killed once (a coordinator SIGKILLed) is back after its own
+    start-up only."""
     initial_backoff_s: float = Field(default=0.5, gt=0)
-    """Delay before the first restart after an exit."""
+    """Backoff of a crash loop: the second quick exit in a row waits twice this, doubling with each one."""
     max_backoff_s: float = Field(default=30.0, gt=0)
     """Cap of the doubling delay; also the retry interval of a FAILED component."""
     stable_after_s: float = Field(default=60.0, gt=0)

@@ -60,6 +60,12 @@ class RestartPolicy(BaseModel):
     """A run at least this long resets the crash count and the backoff."""
 
     @property
+    def first_restart_s(self) -> float:
+        """The first restart of an engine waits `initial_backoff_s` too (`tandem.restarts.BackoffPolicy`): a crashed
+        engine may still hold its accelerator's memory or its port for a moment."""
+        return self.initial_backoff_s
+
+    @property
     def failed_after(self) -> int:
         """The tracker's name for `max_consecutive_failures` (`tandem.restarts.BackoffPolicy`)."""
         return self.max_consecutive_failures

@@ -2,9 +2,11 @@
 
 A reconcile loop makes the coordinator's view follow the supervisors: every interval it registers RUNNING
 engines the coordinator does not know (first start, restart, coordinator restart) and sends one heartbeat per
-registered engine on a long-lived stream; a health change is reported at once. A coordinator that is down is
-retried every `RECONNECT_S` (with gRPC's own reconnect backoff capped as low), so the agent re-registers its engines
-within a second of the coordinator coming back.
+registered engine on a long-lived stream; a health change is reported at once. A lost stream is opened again at
+once (its coordinator was killed or restarted): the registrations of the new stream wait for the channel to be
+ready (`wait_for_ready`) while gRPC tries to connect every `CONNECT_RETRY_MS`, so the engines are registered again
+within about that long of a restarted coordinator listening, with no sleep of the agent's own in the way. Only a
+stream that fails at once (an error other than a lost connection) is retried after `RECONNECT_S`, not in a loop.
 """
 
 from __future__ import annotations
@@ -25,14 +27,26 @@ from tandem.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-#: Retry interval of a lost coordinator.
+#: Pause before opening again a stream that failed at once (not for a lost coordinator: that is waited for).
 RECONNECT_S = 0.25
-#: gRPC's reconnect backoff (default: 1 s growing to 120 s) capped so that a coordinator back up is seen at once.
+#: How often gRPC tries to connect to a coordinator that is down (its default backoff, 1 s growing to 120 s, would
+#: leave a restarted coordinator without its instances for seconds). A refused loopback or LAN connection is cheap.
+CONNECT_RETRY_MS = 100
 CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.initial_reconnect_backoff_ms", CONNECT_RETRY_MS),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_RETRY_MS),
+    ("grpc.max_reconnect_backoff_ms", CONNECT_RETRY_MS),
 ]
+#: Deadline of a registration waiting for the coordinator to be reachable (the stream is then opened again).
+REGISTER_WAIT_S = 5.0
+
+
+def reconnect_delay(stream_lasted_s: float) -> float:
+    """Pause before opening the heartbeat stream again: none after a stream that had lived (the coordinator went
+    away; the next stream's calls wait for it to be reachable again), `RECONNECT_S` after one that failed at once
+    (an error that opening it again right away would repeat)."""
+    return 0.0 if stream_lasted_s >= RECONNECT_S else RECONNECT_S
+
 
 _ROLES = {
     "hybrid": common_pb2.ROLE_HYBRID,
@@ -133,10 +147,14 @@ class CoordinatorLink:
         elif iid in self.registered:
             self._wake.set()  # a health change: heartbeat now, not at the next interval
 
-    async def _register(self, sup: EngineSupervisor) -> None:
+    async def _register(self, sup: EngineSupervisor, wait: bool = False) -> None:
+        """Registers one engine; with `wait`, the call waits (up to `REGISTER_WAIT_S`) for an unreachable coordinator
+        to come back instead of failing at once (the stream loop; a supervisor's transition does not wait)."""
         try:
             reply = await self._stub.Register(
-                registry_pb2.RegisterRequest(instance=instance_message(sup, self.node_id)), timeout=5
+                registry_pb2.RegisterRequest(instance=instance_message(sup, self.node_id)),
+                timeout=REGISTER_WAIT_S if wait else 5,
+                wait_for_ready=wait,
             )
         except grpc.aio.AioRpcError as exc:
             log.warning(
@@ -164,14 +182,18 @@ class CoordinatorLink:
 
     async def run(self) -> None:
         """Reconcile and heartbeat until cancelled."""
+        loop = asyncio.get_running_loop()
         while True:
+            opened = loop.time()
             try:
                 await self._stream()
             except grpc.aio.AioRpcError as exc:
                 log.warning("heartbeat stream lost", extra={"error": exc.code().name})
             # The coordinator may have restarted without our instances: register everything again.
             self.registered.clear()
-            await asyncio.sleep(RECONNECT_S)
+            delay = reconnect_delay(loop.time() - opened)
+            if delay:
+                await asyncio.sleep(delay)
 
     async def _stream(self) -> None:
         outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] = asyncio.Queue(maxsize=1024)
@@ -181,7 +203,7 @@ class CoordinatorLink:
             while True:
                 yield await outbox.get()
 
-        call = self._stub.Heartbeat(requests())
+        call = self._stub.Heartbeat(requests(), wait_for_ready=True)
 
         async def read() -> None:
             async for reply in call:
@@ -190,17 +212,22 @@ class CoordinatorLink:
                     self._wake.set()
 
         reader = asyncio.create_task(read())
+        reader.add_done_callback(
+            lambda _: self._wake.set()
+        )  # the stream ended: notice it now, not at the interval
         try:
             while not reader.done():
+                self._wake.clear()  # before the pass: a wake during it (the stream ended, a health change) is kept
                 for sup in self.supervisors():
                     if not sup.registrable:
                         continue
                     iid = sup.name
                     if sup.state is EngineState.RUNNING and sup.healthy and iid not in self.registered:
-                        await self._register(sup)
+                        await self._register(sup, wait=True)
+                        if reader.done():
+                            break
                     if iid in self.registered and not outbox.full():
                         outbox.put_nowait(heartbeat_message(sup))
-                self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.interval_s)
             reader.result()

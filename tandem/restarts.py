@@ -2,7 +2,9 @@
 node agent's engines alike.
 
 A process that exits is started again after a backoff that doubles with each quick exit in a row (initial, 2x,
-... capped). A run that lasted `stable_after_s` resets the count, so exits far apart never add up. After
+... capped); the first exit of a row (a crash after a stable run, or the first one ever) is restarted after
+`first_restart_s` instead, which `tandem up` sets to 0: a component killed once is back at once, and only a crash
+loop waits. A run that lasted `stable_after_s` resets the count, so exits far apart never add up. After
 `failed_after` quick exits in a row the tracker says FAILED; what follows is the caller's: `tandem up` still retries
 every `max_backoff_s` (the mesh never stops because one component keeps failing), the node agent leaves the engine
 FAILED until an operator launches it again.
@@ -17,11 +19,16 @@ from typing import Protocol
 
 class BackoffPolicy(Protocol):
     """The numbers a tracker follows. Each config section keeps its own keys and defaults (`up.restart` in the mesh
-    file, `restart` of a node agent) and only has to offer these four."""
+    file, `restart` of a node agent) and only has to offer these five."""
+
+    @property
+    def first_restart_s(self) -> float:
+        """Delay before the restart after the first exit of a row (not yet a crash loop)."""
+        ...
 
     @property
     def initial_backoff_s(self) -> float:
-        """Delay before the first restart after an exit."""
+        """The backoff the doubling starts from: the second quick exit in a row waits twice this."""
         ...
 
     @property
@@ -50,8 +57,11 @@ class RestartState(enum.Enum):
 
 
 def backoff_delay(policy: BackoffPolicy, quick_exits: int) -> float:
-    """Exponential: initial, 2x initial, ... capped at `max_backoff_s`."""
-    return min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** max(0, quick_exits - 1))
+    """`first_restart_s` for the first exit of a row, then exponential: 2x initial, 4x initial, ... capped at
+    `max_backoff_s`."""
+    if quick_exits <= 1:
+        return min(policy.max_backoff_s, policy.first_restart_s)
+    return min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** (quick_exits - 1))
 
 
 @dataclass

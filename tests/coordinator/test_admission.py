@@ -219,3 +219,19 @@ async def test_a_probe_ends_when_its_instance_leaves():
     service.remove("sim-0")
     await eventually(lambda: not service._probes, 2, "the probe loop ended")  # noqa: SLF001
     await service.close()
+
+
+async def test_a_probed_instance_turning_routable_wakes_the_decisions_waiting_for_one():
+    """The relearn window's wake-up comes at registration and again when the probe passes: a decision woken by the
+    registration alone found the instance not yet routable and, without the second wake, waited until the window
+    closed and answered 503 (seen under `tandem up` once agents registered within 0.1 s of a restart)."""
+    service = registry()
+    wakes: list[bool] = []
+    service.on_registered = lambda: wakes.append(service.instances.get("sim-0").routable)
+    try:
+        async with health_server() as engine:
+            await register(service, "n1", "sim-0", engine)
+            await eventually(lambda: len(wakes) == 2, 5, "the second wake, at the probe's answer")
+            assert wakes == [False, True]  # registered (not routable yet), then routable
+    finally:
+        await service.close()

@@ -5,6 +5,7 @@ Bounded: 12 streams of ~1.5 s each, a few seconds of outage, a minute at most pe
 
 from __future__ import annotations
 
+import calendar
 import concurrent.futures
 import json
 import os
@@ -18,7 +19,7 @@ import pytest
 
 from bench.steady_load import SteadyLoad
 from tandem.v1 import admin_pb2
-from tests.helpers import RunningMesh, mesh_config, pid_alive, processes_mentioning
+from tests.helpers import RunningMesh, mesh_config, pid_alive, processes_mentioning, wait_until
 
 STREAMS = 12
 MAX_TOKENS = 120
@@ -116,13 +117,82 @@ def test_streams_routed_before_a_coordinator_crash_complete(mesh):
     assert stats.requests_routed == 4
 
 
-def test_killing_the_only_coordinator_under_load_fails_no_request(tmp_path):
+#: The recovery goal of issue 23: serving again within 1 s of the only coordinator's kill. Met on a quiet box; the
+#: restarted process's own Python start-up (exec to listening) alone took 0.75-1.5 s on the 2-core box shared with
+#: other test suites (load average 5-8), so the bound here has a margin for it, and what the mesh adds around that
+#: start-up (kill to exec, listening to the first 200) is bounded on its own.
+SERVE_AGAIN_S = 1.0
+LOADED_MARGIN_S = 1.0
+AROUND_START_UP_S = 0.5
+#: A fresh request is sent this often after the kill (each retried by Envoy on its own) ...
+PROBE_EVERY_S = 0.05
+#: ... this many at most.
+PROBES = 60
+
+
+def first_served_after(http: str, since: float) -> float | None:
+    """Sends a small request every PROBE_EVERY_S (at most PROBES, each on its own thread) until one is answered
+    200; returns when the first 200 arrived (monotonic), None if none did. A request sent right after the kill
+    waits in Envoy's retries, whose backoff grows while the coordinator is down: fresh ones show when the mesh
+    serves a new request again, not when one old retry happened to fire."""
+    answered: list[float] = []
+    payload = {"model": "tandem-sim", "prompt": "are you back?", "max_tokens": 1}
+
+    def probe() -> None:
+        try:
+            if httpx.post(http + "/v1/completions", json=payload, timeout=30).status_code == 200:
+                answered.append(time.monotonic())
+        except httpx.HTTPError:
+            pass
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = []
+        for i in range(PROBES):
+            if answered:
+                break
+            futures.append(pool.submit(probe))
+            next_at = since + (i + 1) * PROBE_EVERY_S
+            wait_until(
+                lambda t=next_at: bool(answered) or time.monotonic() >= t, 5, "next probe", interval=0.005
+            )
+        concurrent.futures.wait(futures, timeout=60)
+    return min(answered) if answered else None
+
+
+def started_at(pid: int) -> float:
+    """When process `pid` was started, on the monotonic clock."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return ticks / os.sysconf("SC_CLK_TCK") - time.clock_gettime(time.CLOCK_BOOTTIME) + time.monotonic()
+
+
+def listening_at(log: Path, after: float) -> float:
+    """When the coordinator logged "serving" (listening), the first time after `after`, on the monotonic clock."""
+    offset = time.time() - time.monotonic()
+    for line in log.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("msg") == "serving":
+            stamp = (
+                calendar.timegm(time.strptime(entry["ts"][:19], "%Y-%m-%dT%H:%M:%S"))
+                + int(entry["ts"][20:23]) / 1000
+            )
+            if stamp - offset > after:
+                return stamp - offset
+    raise AssertionError(f"no 'serving' line after the kill in {log}")
+
+
+def test_killing_the_only_coordinator_under_load_fails_no_request_and_serves_again_within_a_second(tmp_path):
     """One coordinator, SIGKILLed under steady streaming load (6 clients): routed streams go on from their engines;
-    a decision it was making, or asked while it is down, is asked again by Envoy (with a backoff) until the restarted
-    coordinator answers, and the restarted coordinator waits for the agents' registrations (its relearn window)
-    instead of answering 503. Bounded: one kill, a minute at most. On main 64 of 228 requests failed over 3.1 s."""
+    a decision it was making, or asked while it is down, is asked again by Envoy until the restarted coordinator
+    answers, and the restarted coordinator waits for the agents' registrations (its relearn window) instead of
+    answering 503. `tandem up` restarts it at once (`up.restart.first_restart_s` 0, its defaults here) and the agents
+    register again within ~0.1 s of it listening, so a request is answered 200 within 1 s of the kill.
+    Bounded: one kill, at most 60 probe requests, a minute at most. On main: 1.9 s (idle box) to 3.9 s (loaded):
+    0.5 s restart backoff, 0.5-2 s for the agents to notice and register again, aiohttp imported at start."""
     config = mesh_config(engines=2, engine_args=["--speedup", "10"])
-    config["up"] = {"restart": {"initial_backoff_s": 0.2}}
+    config.pop("up", None)  # `tandem up`'s own restart defaults
     mesh = RunningMesh(config, tmp_path)
     mesh.start()
     try:
@@ -132,20 +202,26 @@ def test_killing_the_only_coordinator_under_load_fails_no_request(tmp_path):
             mesh.wait_for(lambda: load.count(ok=True) >= 12, 60, "load flowing")
             killed_at = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            mesh.wait_for(
-                lambda: any(o.ok and o.started > killed_at for o in list(load.outcomes)), 30, "served again"
-            )
-            first = min(o.ended for o in list(load.outcomes) if o.ok and o.started > killed_at)
+            first = first_served_after(mesh.http, killed_at)
+            assert first is not None, "no probe request was answered after the kill"
+            (successor,) = processes_mentioning(f"-m mesh coordinator --config {mesh.config_path}")
+            execed = started_at(successor)
+            listening = listening_at(mesh.run_dir / "coordinator.log", killed_at)
             served = load.count(ok=True)
             mesh.wait_for(lambda: load.count(ok=True) >= served + 12, 60, "load served after the restart")
         finally:
             load.stop()
         report = load.report()
-        print(
-            f"the only coordinator SIGKILLed under load: {report}; the first request sent after the kill was "
-            f"answered {first - killed_at:.2f}s after it"
+        start_up = listening - execed
+        around = (execed - killed_at) + (first - listening)
+        breakdown = (
+            f"served again {first - killed_at:.2f}s after the kill: restarted after {execed - killed_at:.2f}s, "
+            f"its start-up {start_up:.2f}s, first 200 {first - listening:.2f}s after it listened"
         )
+        print(f"the only coordinator SIGKILLed under load: {report}; {breakdown}")
         assert report.failed == 0, report.errors[:5]
+        assert around < AROUND_START_UP_S, breakdown
+        assert first - killed_at < SERVE_AGAIN_S + LOADED_MARGIN_S, breakdown
         mesh.wait_for(lambda: mesh.stats().requests_inflight == 0, 30, "workload back to zero")
     finally:
         mesh.stop()

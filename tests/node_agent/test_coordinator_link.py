@@ -9,7 +9,7 @@ import contextlib
 import grpc
 
 from node_agent.config import EngineConfig, RestartPolicy
-from node_agent.coordinator_link import CoordinatorLink
+from node_agent.coordinator_link import RECONNECT_S, CoordinatorLink, reconnect_delay
 from node_agent.launch import LaunchSpec
 from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams
 from tandem.v1 import registry_pb2_grpc
@@ -73,3 +73,63 @@ async def test_engines_are_registered_again_within_a_second_of_the_coordinator_c
             await task
         await link.close()
         await server.stop(0)
+
+
+class SlowBeatRegistry(FakeRegistry):
+    """Asks for the coordinator's default heartbeat interval (2 s), so that nothing here rides on the interval."""
+
+    async def Register(self, request, context):
+        reply = await super().Register(request, context)
+        reply.heartbeat_interval.FromMilliseconds(2000)
+        return reply
+
+
+async def test_a_restarted_coordinator_gets_the_engines_within_a_fraction_of_a_second(tmp_path):
+    """A coordinator killed and started again (`tandem up`'s immediate restart): the agent notices the lost stream
+    at once (not at its next 2 s heartbeat), waits for the coordinator to listen again rather than sleeping, and
+    registers within a few of gRPC's 0.1 s connection retries of it listening. Bounded: one restart, 10 s at most.
+    On main the loss was noticed at the next heartbeat interval (up to 2 s) and a registration that failed while
+    the coordinator was down was tried again only after another interval."""
+    port = free_port()
+    sup = running_engine(tmp_path)
+    first = SlowBeatRegistry()
+    server = await serve(first, port)
+    link = CoordinatorLink(f"127.0.0.1:{port}", "n1", lambda: [sup])
+    task = asyncio.create_task(link.run())
+    loop = asyncio.get_running_loop()
+    try:
+        await eventually(lambda: ("register", "e") in first.events, 5, "registered")
+        await eventually(lambda: link._outbox is not None and link._outbox.empty(), 5, "heartbeats flowing")
+        killed = loop.time()
+        await server.stop(0)  # the coordinator dies
+        await eventually(lambda: not link.registered, 5, "loss noticed")
+        assert loop.time() - killed < 0.5, "the lost stream was noticed at the heartbeat interval"
+        attempts = []
+
+        def attempted(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            attempts.append(writer.get_extra_info("peername"))
+            writer.close()
+
+        # Down for a while (every connection cut), as while `tandem up` restarts it.
+        dead = await asyncio.start_server(attempted, "127.0.0.1", port)
+        await eventually(lambda: len(attempts) >= 2, 5, "connection attempts while the coordinator is down")
+        dead.close()
+        await dead.wait_closed()
+        back = SlowBeatRegistry()
+        server = await serve(back, port)
+        listening = loop.time()
+        await eventually(lambda: ("register", "e") in back.events, 5, "registered again")
+        assert loop.time() - listening < 0.5, f"registered {loop.time() - listening:.2f}s after it listened"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await link.close()
+        await server.stop(0)
+
+
+def test_only_a_stream_that_failed_at_once_is_reopened_after_a_pause():
+    assert (
+        reconnect_delay(30.0) == 0.0
+    )  # it had lived: its coordinator went away, the new stream waits for it
+    assert reconnect_delay(0.01) == RECONNECT_S  # refused at once: no busy loop
