@@ -25,6 +25,7 @@ from coordinator.decision import Decider
 from coordinator.etcd_state import EtcdState
 from coordinator.ext_authz import Authorization
 from coordinator.ext_proc import ExternalProcessor
+from coordinator.flow_gate import FlowGate
 from coordinator.handoff import HandoffRunner
 from coordinator.instance_probe import HealthProber
 from coordinator.instances import InstanceTable
@@ -166,6 +167,10 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     if config.relearn_s > 0:  # a (re)started coordinator waits for the agents' registrations rather than 503
         decider.relearn = RelearnWindow(config.relearn_s)
         registry.on_registered = decider.relearn.registered
+    if config.flow_control.enabled:  # SLO-aware admission: re-checked on every request's end and heartbeat
+        decider.flow = FlowGate(config.flow_control, picker)
+        tickets.on_any_release = decider.flow.kick
+        registry.on_load = decider.flow.kick
     admin = AdminService(picker, decider.counters, mesh, shared, decider)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)

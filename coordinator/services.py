@@ -80,6 +80,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self.on_registered: Callable[[], None] | None = (
             None  # e.g. wakes decisions waiting in the relearn window
         )
+        #: Called after every heartbeat of a known instance (its load and progress applied): capacity may have
+        #: freed, e.g. for the admission queue (`coordinator/flow_gate.py`).
+        self.on_load: Callable[[], None] | None = None
 
     def _owner(self, instance_id: str) -> str | None:
         state = self.instances.get(instance_id)
@@ -164,6 +167,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                         self.latency.observe(beat.instance_id, done, was_busy and load.running > 0)
                 if known:
                     self.shared.reported(beat.instance_id, health, load)
+                    if self.on_load is not None:
+                        self.on_load()
                 yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=known)
         finally:
             self.open_streams -= 1
