@@ -11,7 +11,9 @@ from prometheus_client import REGISTRY
 
 from coordinator.config import FlowControlSettings
 from coordinator.flow_gate import FlowGate
+from coordinator.services import AdminService
 from coordinator.tenants import TenantSpec, Tier
+from tandem.v1 import admin_pb2
 from tests.coordinator.test_ext_proc import body_message, decision_metadata, process
 from tests.coordinator.test_tenants import decider_with
 from tests.helpers import eventually
@@ -71,6 +73,10 @@ async def test_held_until_capacity_frees_priority_first_and_429_past_the_bound()
     prio = send(decider, "k-gold")  # arrives last, goes first
     await eventually(lambda: gate.queues["m"].depth(Tier.PRIORITY) == 1, 5)
     assert depth("priority") == 1 and depth("flex") == 2
+    admin = AdminService(decider.picker, decider.counters, None, None, decider)
+    stats = {(q.tier, q.tenant): q for q in (await admin.GetStats(admin_pb2.GetStatsRequest(), None)).queues}
+    assert stats[("flex", "batch")].queued_now == 2 and stats[("flex", "batch")].admitted_at_once == 2
+    assert stats[("flex", "batch")].shed_saturated == 1 and stats[("priority", "gold")].queued_now == 1
     assert decider.picker.ledger.total_requests == 2  # nothing held is committed
 
     decider.tickets.end(tickets[0], "completed", response_bytes=10)  # one engine frees
@@ -87,6 +93,9 @@ async def test_held_until_capacity_frees_priority_first_and_429_past_the_bound()
     assert decider.picker.ledger.total_requests == 0
     assert len(gate.queues["m"]) == 0 and depth("priority") == 0 and depth("flex") == 0
     assert decider.quotas.in_flight("batch") == 0 and decider.quotas.in_flight("gold") == 0
+    stats = {(q.tier, q.tenant): q for q in (await admin.GetStats(admin_pb2.GetStatsRequest(), None)).queues}
+    assert stats[("flex", "batch")].queued_now == 0 and stats[("flex", "batch")].released == 2
+    assert stats[("priority", "gold")].released == 1 and stats[("priority", "gold")].released_wait_seconds > 0
 
 
 async def test_a_client_that_leaves_while_queued_costs_nothing():

@@ -330,7 +330,9 @@ def test_the_decision_timeouts_outlast_the_admission_queue():
     assert authz["grpc_service"]["retry_policy"]["retry_back_off"]["max_interval"] == "30s"
     assert ingress["request_timeout"] == "90s"  # the body's 60 s plus the decision's longest
     pd = parse_mesh_config({"coordinator": {"flow_control": flow, "pd_mode": "prefill_handoff_decode"}})
-    ext_proc = hcm_of(build_envoy_config(pd, DESCRIPTOR)["static_resources"]["listeners"][0])["http_filters"][0]
+    ext_proc = hcm_of(build_envoy_config(pd, DESCRIPTOR)["static_resources"]["listeners"][0])["http_filters"][
+        0
+    ]
     assert ext_proc["typed_config"]["message_timeout"] == "30s"
     off = parse_mesh_config({})
     assert off.decision_timeout_s == 5.0
