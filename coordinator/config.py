@@ -15,6 +15,7 @@ from pydantic import (
     ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -312,6 +313,14 @@ class FlowControlSettings(BaseModel):
     priority: TierSloSettings = _tier_default(Tier.PRIORITY)
     default: TierSloSettings = _tier_default(Tier.DEFAULT)
     flex: TierSloSettings = _tier_default(Tier.FLEX)
+
+    @field_validator("priority", "default", "flex", mode="before")
+    @classmethod
+    def _tier_defaults(cls, value: Any, info: ValidationInfo) -> Any:
+        """A tier's keys left out keep that tier's defaults (`flex: {queue_ttl_s: 60}` changes the TTL only)."""
+        if isinstance(value, dict):
+            return {**_tier_default(Tier(info.field_name or "")).model_dump(), **value}
+        return value
 
     def slos(self) -> dict[Tier, TierSlo]:
         return {tier: getattr(self, tier.value).slo() for tier in Tier}

@@ -211,21 +211,17 @@ class FlowGate:
             return
         now = self.clock()
         for model, queue in self.queues.items():
-            if self._releasing.get(model, 0) or not len(queue):
-                continue
-            head = queue.head()
-            if head is None:
-                continue
-            waiter = self._waiters.get(head)
-            if waiter is None or waiter.future.done():  # leaving already
-                queue.remove(head)
-                continue
-            if not self.fits(waiter.request, head.tier, queue):
-                continue
-            queue.release(head, now)
-            self._observe_wait(head)
-            self._releasing[model] = self._releasing.get(model, 0) + 1
-            waiter.future.set_result(None)
+            while not self._releasing.get(model, 0) and (head := queue.head()) is not None:
+                waiter = self._waiters.get(head)
+                if waiter is None or waiter.future.done():  # leaving already
+                    queue.remove(head)
+                    continue
+                if self.fits(waiter.request, head.tier, queue):
+                    queue.release(head, now)
+                    self._observe_wait(head)
+                    self._releasing[model] = self._releasing.get(model, 0) + 1
+                    waiter.future.set_result(None)
+                break
         self._publish()
 
     # --- what it did -----------------------------------------------------------------------------------------
