@@ -203,6 +203,16 @@ def _closer(close):
     return on_stop
 
 
+async def recheck_queue(gate: FlowGate, interval_s: float) -> None:
+    """Checks the admission queue's heads every `interval_s` (see the caller)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            gate.kick()
+        except Exception:
+            log.exception("admission queue check failed")
+
+
 async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interval_s: float) -> None:
     """Releases tickets past their lifetime, and unconfirmed ones whose engines report idle."""
     while True:
@@ -325,6 +335,11 @@ async def run(
         if c.pool is not None:
             tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))
+        if c.decider is not None and c.decider.flow is not None:
+            # Load this replica hears of only through the shared store (another replica's heartbeats, whose
+            # requests end there) frees capacity without an event here: the queue's heads are re-checked anyway.
+            interval = section.heartbeat_interval_s
+            tasks.append(asyncio.create_task(recheck_queue(c.decider.flow, interval)))
         tasks.append(
             asyncio.create_task(
                 mesh_health.watch_conductor(c.app.health, mesh.conductor.replica_endpoints[0], tls=tls)

@@ -301,9 +301,9 @@ class FlowControlSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = False
-    """Off by default: the latency model starts from a prior (one 910B) until it has learned the fleet's engines,
-    and a held request waits in the coordinator instead of in the engine's queue; turn it on once
-    `tandem_coordinator_predicted_step_seconds` matches the fleet (docs/scheduling.md)."""
+    """Off by default: the SLOs must be chosen for the fleet's hardware and model (the defaults are for an 8B model
+    on 910B-class engines), and a held request waits in the coordinator rather than in an engine's queue, with
+    Envoy's decision timeout raised by the longest TTL (docs/scheduling.md says how to tune it)."""
     max_queued_total: int = Field(default=1024, ge=1)
     """Requests waiting at once over all tiers (per model, per replica); past it a higher tier displaces a lower."""
     quantum_tokens: int = Field(default=2048, ge=1)
