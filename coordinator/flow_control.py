@@ -38,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from coordinator.latency import StepCosts, tpot_s, ttft_s
 from coordinator.tenants import TIER_RANK, Tier
 
 #: Tiers from the one served first.
@@ -74,6 +75,33 @@ def thresholds(slos: dict[Tier, TierSlo]) -> dict[Tier, tuple[float, float]]:
         ttft, tpot = min(ttft, slo.ttft_slo_s), min(tpot, slo.tpot_slo_s)
         out[tier] = (ttft, tpot)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """What the coordinator knows of one candidate engine: its learned step costs, its own ledger's figures, and
+    what the engine last reported (which includes the other coordinator replicas' requests)."""
+
+    costs: StepCosts
+    queued_prefill: int  # the ledger's prefill tokens not yet computed
+    decoding: int  # the ledger's legs past their prefill
+    mean_context: float  # their mean context
+    in_flight: int  # the ledger's request legs
+    running: int = 0  # the engine's report (vllm:num_requests_running)
+    waiting: int = 0  # likewise (vllm:num_requests_waiting)
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0 and self.running == 0 and self.waiting == 0
+
+
+def predict(view: EngineView, prompt_tokens: int, budget: int) -> tuple[float, float]:
+    """A request's predicted (TTFT, TPOT) on the engine `view` describes: the ledger's queue and batch, each
+    raised to the engine's report (its waiting requests taken as prompts of this request's size)."""
+    queued = max(view.queued_prefill, view.waiting * prompt_tokens)
+    decoding = max(view.decoding, view.running)
+    ttft = ttft_s(view.costs, queued, prompt_tokens, decoding, view.mean_context, budget)
+    return ttft, tpot_s(view.costs, decoding, view.mean_context, prompt_tokens)
 
 
 def meets(predictions: list[tuple[float, float]], threshold: tuple[float, float]) -> bool:

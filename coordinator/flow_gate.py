@@ -33,12 +33,14 @@ from coordinator.flow_control import (
     DISPLACED,
     EXPIRED,
     Decision,
+    EngineView,
     Entry,
     FlowQueue,
     Verdict,
     meets,
+    predict,
 )
-from coordinator.latency import tpot_s, ttft_s
+from coordinator.instances import InstanceState
 from coordinator.picker import EndpointPicker
 from coordinator.quotas import RateLimited
 from coordinator.tenants import Tier
@@ -110,15 +112,14 @@ class FlowGate:
     # --- capacity --------------------------------------------------------------------------------------------
 
     def predictions(self, request: OpenAIRequest) -> list[tuple[float, float]] | None:
-        """Per candidate of `request`'s model, its predicted (TTFT, TPOT); None when one has nothing in flight
-        (it fits whatever the SLO) or none is routable (the picker answers 503)."""
+        """Per candidate of `request`'s model, its predicted (TTFT, TPOT) (`flow_control.predict`); None when one
+        has nothing in flight (it fits whatever the SLO) or none is routable (the picker answers 503)."""
         picker = self.picker
-        model = request.model
         try:
-            mode = picker.mode_of(model)
+            mode = picker.mode_of(request.model)
         except OpenAIError:
             return None
-        serving = [s for s in picker.instances.serving(model) if s.routable]
+        serving = [s for s in picker.instances.serving(request.model) if s.routable]
         if mode == PdMode.AGGREGATED:
             first = last = [s for s in serving if s.info.role == "hybrid"]
         else:
@@ -126,31 +127,28 @@ class FlowGate:
             first = [s for s in serving if s.info.role == "prefill"] or last
         if not first or not last:
             return None
-        isl = request.prompt_tokens
-        ledger, latency = picker.ledger, picker.latency
-
-        def load(state):
-            iid = state.info.instance_id
-            decoding, context = ledger.decoding(iid)
-            decoding = max(decoding, state.load.running)
-            queued = max(ledger.prefill_tokens(iid), state.load.waiting * isl)
-            idle = ledger.requests(iid) == 0 and state.load.running == 0 and state.load.waiting == 0
-            return iid, queued, decoding, context, idle
-
-        ttfts, tpots = [], []
-        for state in first:
-            iid, queued, decoding, context, idle = load(state)
-            if idle and first is last:
-                return None
-            ttfts.append(ttft_s(latency.costs(iid), queued, isl, decoding, context, latency.budget))
-        for state in last:
-            iid, queued, decoding, context, idle = load(state)
-            if idle and first is last:
-                return None
-            tpots.append(tpot_s(latency.costs(iid), decoding, context, isl))
+        isl, budget = request.prompt_tokens, picker.latency.budget
+        first_views = [self._view(s) for s in first]
         if first is last:
-            return list(zip(ttfts, tpots, strict=True))
-        return [(min(ttfts), min(tpots))]
+            if any(v.idle for v in first_views):
+                return None
+            return [predict(v, isl, budget) for v in first_views]
+        ttft = min(predict(v, isl, budget)[0] for v in first_views)
+        tpot = min(predict(self._view(s), isl, budget)[1] for s in last)
+        return [(ttft, tpot)]
+
+    def _view(self, state: InstanceState) -> EngineView:
+        ledger, iid = self.picker.ledger, state.info.instance_id
+        decoding, context = ledger.decoding(iid)
+        return EngineView(
+            self.picker.latency.costs(iid),
+            ledger.prefill_tokens(iid),
+            decoding,
+            context,
+            ledger.requests(iid),
+            state.load.running,
+            state.load.waiting,
+        )
 
     def fits(self, request: OpenAIRequest, tier: Tier, queue: FlowQueue) -> bool:
         predictions = self.predictions(request)

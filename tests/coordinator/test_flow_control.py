@@ -8,13 +8,16 @@ from coordinator.flow_control import (
     DISPLACED,
     EXPIRED,
     SATURATED,
+    EngineView,
     Entry,
     FlowQueue,
     TierSlo,
     Verdict,
     meets,
+    predict,
     thresholds,
 )
+from coordinator.latency import StepCosts
 from coordinator.tenants import Tier
 
 P, D, F = Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX
@@ -174,3 +177,16 @@ def test_remove_frees_everything():
     assert len(q) == 0 and q.head() is None
     assert all(q.depth(t) == 0 and not q.depth_by_tenant(t) for t in (P, D, F))
     assert q.retry_after_s(F) == 10.0
+
+
+def test_predictions_take_the_engines_own_report_when_it_says_more():
+    costs = StepCosts(step=0.01, prefill=1e-4, decode=1e-3, context=0.0)
+    mine = EngineView(costs, queued_prefill=1000, decoding=2, mean_context=0.0, in_flight=3)
+    ttft, tpot = predict(mine, 500, 8192)
+    assert ttft == pytest.approx(1e-4 * 1500 + 0.01 + 2e-3) and tpot == pytest.approx(0.01 + 3e-3)
+    # Another replica's requests show only in the engine's report: 10 waiting of this size, 20 running.
+    shared = EngineView(costs, 1000, 2, 0.0, 3, running=20, waiting=10)
+    ttft, tpot = predict(shared, 500, 8192)
+    assert ttft == pytest.approx(1e-4 * 5500 + 0.01 + 20e-3) and tpot == pytest.approx(0.01 + 21e-3)
+    assert not mine.idle and EngineView(costs, 0, 0, 0.0, 0).idle
+    assert not EngineView(costs, 0, 0, 0.0, 0, running=1).idle
