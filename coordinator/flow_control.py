@@ -89,19 +89,31 @@ class EngineView:
     in_flight: int  # the ledger's request legs
     running: int = 0  # the engine's report (vllm:num_requests_running)
     waiting: int = 0  # likewise (vllm:num_requests_waiting)
+    prefill_rate: float = 0.0  # prompt tokens it computed a second lately (`LatencyBook.prefill_rate`)
 
     @property
     def idle(self) -> bool:
         return self.in_flight == 0 and self.running == 0 and self.waiting == 0
 
 
+#: The largest prefill duty cycle `predict` counts (past it the TPOT would be unbounded; it is then well above any
+#: SLO anyway).
+MAX_PREFILL_DUTY = 0.95
+
+
 def predict(view: EngineView, prompt_tokens: int, budget: int) -> tuple[float, float]:
     """A request's predicted (TTFT, TPOT) on the engine `view` describes: the ledger's queue and batch, each
-    raised to the engine's report (its waiting requests taken as prompts of this request's size)."""
+    raised to the engine's report (its waiting requests taken as prompts of this request's size).
+
+    The TPOT counts the prefill the engine keeps computing while the request decodes: with chunked prefill a step
+    that carries a prompt chunk delays every decoding sequence, so of each second the engine spends
+    `d = prefill cost x prompt tokens a second` on prefill, and decode steps get the rest:
+    `tpot = step_s(batch + 1) / (1 - d)` (`latency.tpot_s` alone is the decode step)."""
     queued = max(view.queued_prefill, view.waiting * prompt_tokens)
     decoding = max(view.decoding, view.running)
     ttft = ttft_s(view.costs, queued, prompt_tokens, decoding, view.mean_context, budget)
-    return ttft, tpot_s(view.costs, decoding, view.mean_context, prompt_tokens)
+    duty = min(MAX_PREFILL_DUTY, view.costs.prefill * view.prefill_rate)
+    return ttft, tpot_s(view.costs, decoding, view.mean_context, prompt_tokens) / (1.0 - duty)
 
 
 def meets(predictions: list[tuple[float, float]], threshold: tuple[float, float]) -> bool:

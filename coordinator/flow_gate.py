@@ -148,6 +148,7 @@ class FlowGate:
             ledger.requests(iid),
             state.load.running,
             state.load.waiting,
+            self.picker.latency.prefill_rate(iid),
         )
 
     def fits(self, request: OpenAIRequest, tier: Tier, queue: FlowQueue) -> bool:

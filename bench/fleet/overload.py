@@ -162,6 +162,7 @@ class OverloadFleet:
                     self.ledger.requests(iid),
                     load.running,
                     load.waiting,
+                    self.latency.prefill_rate(iid),
                 )
             )
         return views

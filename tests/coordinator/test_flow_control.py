@@ -190,3 +190,13 @@ def test_predictions_take_the_engines_own_report_when_it_says_more():
     assert ttft == pytest.approx(1e-4 * 5500 + 0.01 + 20e-3) and tpot == pytest.approx(0.01 + 21e-3)
     assert not mine.idle and EngineView(costs, 0, 0, 0.0, 0).idle
     assert not EngineView(costs, 0, 0, 0.0, 0, running=1).idle
+
+
+def test_the_tpot_counts_the_engines_prefill_duty_cycle():
+    costs = StepCosts(step=0.01, prefill=1e-4, decode=0.0, context=0.0)
+    quiet = EngineView(costs, 0, 4, 0.0, 4)
+    busy = EngineView(costs, 0, 4, 0.0, 4, prefill_rate=5000)  # half of each second computing prompts
+    assert predict(quiet, 100, 8192)[1] == pytest.approx(0.01)
+    assert predict(busy, 100, 8192)[1] == pytest.approx(0.02)
+    saturated = EngineView(costs, 0, 4, 0.0, 4, prefill_rate=1e6)
+    assert predict(saturated, 100, 8192)[1] == pytest.approx(0.01 / 0.05)  # bounded
