@@ -24,6 +24,7 @@ from coordinator.decision import Decider
 from coordinator.etcd_state import EtcdState
 from coordinator.ext_authz import Authorization
 from coordinator.ext_proc import ExternalProcessor
+from coordinator.flow_gate import FlowGate
 from coordinator.handoff import HandoffRunner
 from coordinator.instance_probe import HealthProber, health_answers
 from coordinator.instances import InstanceTable
@@ -165,6 +166,10 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     if config.relearn_s > 0:  # a (re)started coordinator waits for the agents' registrations rather than 503
         decider.relearn = RelearnWindow(config.relearn_s)
         registry.on_registered = decider.relearn.registered
+    if config.flow_control.enabled:  # SLO-aware admission: re-checked on every request's end and heartbeat
+        decider.flow = FlowGate(config.flow_control, picker)
+        tickets.on_any_release = decider.flow.kick
+        registry.on_load = decider.flow.kick
     admin = AdminService(picker, decider.counters, mesh, shared, decider)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
@@ -195,6 +200,16 @@ def _closer(close):
         close()
 
     return on_stop
+
+
+async def recheck_queue(gate: FlowGate, interval_s: float) -> None:
+    """Checks the admission queue's heads every `interval_s` (see the caller)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            gate.kick()
+        except Exception:
+            log.exception("admission queue check failed")
 
 
 async def settle_tickets(tickets: TicketTable, instances: InstanceTable, interval_s: float) -> None:
@@ -307,6 +322,11 @@ async def run(
         if c.pool is not None:
             tasks.append(asyncio.create_task(c.pool.start()))
         tasks.append(asyncio.create_task(settle_tickets(c.tickets, c.picker.instances, 1.0)))
+        if c.decider is not None and c.decider.flow is not None:
+            # Load this replica hears of only through the shared store (another replica's heartbeats, whose
+            # requests end there) frees capacity without an event here: the queue's heads are re-checked anyway.
+            interval = section.heartbeat_interval_s
+            tasks.append(asyncio.create_task(recheck_queue(c.decider.flow, interval)))
         tasks.append(
             asyncio.create_task(
                 mesh_health.watch_conductor(c.app.health, mesh.conductor.replica_endpoints[0], tls=tls)

@@ -15,6 +15,7 @@ from pydantic import (
     ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -22,11 +23,12 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from coordinator.admission import NodeBook
+from coordinator.flow_control import DEFAULT_SLOS, TierSlo
 from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, pd_joint, policy_types
 from coordinator.scheduling.params import parse_params
 from coordinator.scheduling.registry import param_sections, policy_params, section_of
-from coordinator.tenants import TenantSpec, check_unique
+from coordinator.tenants import TenantSpec, Tier, check_unique
 from coordinator.topology import PRESETS, Link, NodeLinks, Topology
 from tandem.config_file import ConfigError
 from tandem.netaddr import (
@@ -259,6 +261,78 @@ class EtcdSettings(BaseModel):
     """Key prefix of this mesh (one etcd can hold several meshes)."""
 
 
+class TierSloSettings(BaseModel):
+    """One tier's SLO and queue (`coordinator.flow_control.<tier>`; docs/scheduling.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_slo_s: float = Field(gt=0)
+    """Predicted time to first token a request of the tier must be able to get for it to go to an engine now."""
+    tpot_slo_s: float = Field(gt=0)
+    """Predicted time per output token, likewise."""
+    max_queued: int = Field(ge=0)
+    """Requests of the tier waiting in this coordinator at once; one more is answered 429 (0: never wait)."""
+    queue_ttl_s: float = Field(gt=0, le=300)
+    """Longest a request of the tier waits; Envoy's decision timeout grows by the largest TTL."""
+    admit_on_expiry: bool = False
+    """Past the TTL the request goes to an engine anyway (else 429)."""
+
+    def slo(self) -> TierSlo:
+        return TierSlo(
+            self.ttft_slo_s, self.tpot_slo_s, self.max_queued, self.queue_ttl_s, self.admit_on_expiry
+        )
+
+
+def _tier_default(tier: Tier) -> TierSloSettings:
+    d = DEFAULT_SLOS[tier]
+    return TierSloSettings(
+        ttft_slo_s=d.ttft_slo_s,
+        tpot_slo_s=d.tpot_slo_s,
+        max_queued=d.max_queued,
+        queue_ttl_s=d.queue_ttl_s,
+        admit_on_expiry=d.admit_on_expiry,
+    )
+
+
+class FlowControlSettings(BaseModel):
+    """SLO-aware admission (`coordinator.flow_control`, `coordinator/flow_control.py`): requests no engine can
+    serve within their tier's SLO wait in the coordinator, or are answered 429 `rejected: saturated`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    """Off by default: the SLOs must be chosen for the fleet's hardware and model (the defaults are for an 8B model
+    on 910B-class engines), and a held request waits in the coordinator rather than in an engine's queue, with
+    Envoy's decision timeout raised by the longest TTL (docs/scheduling.md says how to tune it)."""
+    max_queued_total: int = Field(default=1024, ge=1)
+    """Requests waiting at once over all tiers (per model, per replica); past it a higher tier displaces a lower."""
+    quantum_tokens: int = Field(default=2048, ge=1)
+    """Deficit round robin's quantum: tokens of credit a waiting tenant gets per turn."""
+    max_retry_after_s: float = Field(default=60.0, gt=0, le=600)
+    """Largest `retry-after` a saturated 429 says."""
+    priority: TierSloSettings = _tier_default(Tier.PRIORITY)
+    default: TierSloSettings = _tier_default(Tier.DEFAULT)
+    flex: TierSloSettings = _tier_default(Tier.FLEX)
+
+    @field_validator("priority", "default", "flex", mode="before")
+    @classmethod
+    def _tier_defaults(cls, value: Any, info: ValidationInfo) -> Any:
+        """A tier's keys left out keep that tier's defaults (`flex: {queue_ttl_s: 60}` changes the TTL only)."""
+        if isinstance(value, dict):
+            return {**_tier_default(Tier(info.field_name or "")).model_dump(), **value}
+        return value
+
+    def slos(self) -> dict[Tier, TierSlo]:
+        return {tier: getattr(self, tier.value).slo() for tier in Tier}
+
+    @property
+    def max_wait_s(self) -> float:
+        """The longest a request may wait in the queue (0 when off): Envoy's decision timeout adds it."""
+        if not self.enabled:
+            return 0.0
+        return max(getattr(self, tier.value).queue_ttl_s for tier in Tier)
+
+
 class CoordinatorConfig(BaseModel):
     """The coordinator process: ext_proc endpoint picker, Registry, Admin and Metaserver on one gRPC port."""
 
@@ -345,6 +419,8 @@ class CoordinatorConfig(BaseModel):
     """Worker processes parsing and tokenizing large bodies (0: every body on the event loop)."""
     limits: RequestLimits = RequestLimits()
     """The largest request accepted (`max_tokens`, `n`, prompts, JSON depth); larger is answered 400."""
+    flow_control: FlowControlSettings = FlowControlSettings()
+    """SLO-aware admission: per tier an SLO and a bounded queue in the coordinator (docs/scheduling.md)."""
     callback_kv_hosts: list[str] = []
     """Trigger mode: addresses or networks (CIDR) a decode engine's callback may name as `remote_host` besides the
     decode instance's own host (for KV transfer NICs other than the HTTP address)."""

@@ -24,6 +24,7 @@ from coordinator import metrics
 from coordinator.api_keys import ApiKeys
 from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
+from coordinator.flow_gate import OPEN, FlowGate
 from coordinator.handoff import HandoffRunner
 from coordinator.picker import EndpointPicker, Pick
 from coordinator.quotas import Admission, Quotas, RateLimited, output_bound
@@ -148,6 +149,8 @@ class Decider:
         self.inline_bytes = inline_bytes
         self.counters = RequestCounters()
         self._pool = pool
+        #: SLO-aware admission (`coordinator.flow_control`): None when off.
+        self.flow: FlowGate | None = None
         self.relearn: RelearnWindow | None = (
             None  # after a start: wait for registrations rather than answer 503
         )
@@ -237,12 +240,17 @@ class Decider:
                 except RateLimited:
                     self.counters.tier(tenant.name, tier)[1] += 1
                     raise
+            passed = OPEN
             try:
+                if self.flow is not None:  # may wait for capacity, or refuse (429 `rejected: saturated`)
+                    passed = await self.flow.admit(request, tier, tenant.name if tenant is not None else "")
                 pick = await self._decide(api, raw_body, request_id, request)
             except BaseException:
                 if admission is not None:  # never served: nothing used
                     self.quotas.settle(admission, served=False)
                 raise
+            finally:
+                passed.done()  # its workload is committed (or it failed): the queue's next head is checked
         except OpenAIError as exc:
             return self.reject(exc)
         except Exception:

@@ -213,9 +213,18 @@ class LatencyBook:
         self._make = lambda: StepLearner(prior, prior_weight, forgetting, budget)
         self._learners: dict[str, StepLearner] = {}
         self._open: dict[str, list[Interval]] = {}
+        #: Per instance, prompt tokens computed a second lately (every report, busy or not; see `prefill_rate`).
+        self._prefill_rate: dict[str, float] = {}
+
+    #: Time constant of `prefill_rate`'s exponential average, seconds.
+    PREFILL_RATE_TAU_S = 2.0
 
     def observe(self, instance_id: str, sample: Interval | None, busy: bool) -> None:
         """One report's interval; learned from only when the instance was busy throughout (`busy`)."""
+        if sample is not None and sample.seconds > 0:
+            weight = 1.0 - math.exp(-sample.seconds / self.PREFILL_RATE_TAU_S)
+            rate = self._prefill_rate.get(instance_id, 0.0)
+            self._prefill_rate[instance_id] = rate + weight * (sample.prefill_tokens / sample.seconds - rate)
         if sample is None or not busy:
             self._open.pop(instance_id, None)
             return
@@ -235,6 +244,12 @@ class LatencyBook:
         learner = self._learners.get(instance_id)
         return self.prior if learner is None else learner.costs
 
+    def prefill_rate(self, instance_id: str) -> float:
+        """Prompt tokens the instance computed a second lately (exponentially weighted over about
+        `PREFILL_RATE_TAU_S`): its prefill duty cycle is `costs.prefill` times this, the share of its time in which
+        decoding sequences wait for prefill chunks (`coordinator/flow_control.py` counts it in the TPOT)."""
+        return self._prefill_rate.get(instance_id, 0.0)
+
     def observed(self, instance_id: str) -> int:
         """Busy windows learned from for `instance_id`."""
         learner = self._learners.get(instance_id)
@@ -244,6 +259,7 @@ class LatencyBook:
         """The instance is gone: drop what was learned."""
         self._learners.pop(instance_id, None)
         self._open.pop(instance_id, None)
+        self._prefill_rate.pop(instance_id, None)
 
 
 def merge(intervals: list[Interval]) -> Interval:

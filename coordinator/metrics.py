@@ -74,6 +74,23 @@ KV_TRANSFER_BYTES = Counter(
     ["scope"],
 )
 CALLBACKS = Counter("tandem_coordinator_metaserver_callbacks", "Metaserver callbacks by outcome", ["outcome"])
+QUEUE_DEPTH = Gauge(
+    "tandem_coordinator_queue_depth",
+    "Requests waiting in the coordinator's admission queue (coordinator.flow_control), by tier",
+    ["tier"],
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "tandem_coordinator_queue_wait_seconds",
+    "Time a request waited in the admission queue until it was released, refused, or its client left",
+    ["tier", "tenant"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60),
+)
+SHED = Counter(
+    "tandem_coordinator_shed",
+    "Requests the admission queue answered 429 `rejected: saturated`, by reason (saturated: the queue was full; "
+    "expired: past the tier's queue TTL; displaced: a higher tier took its place)",
+    ["tier", "tenant", "reason"],
+)
 
 
 class WorkloadCollector:

@@ -18,6 +18,7 @@ from coordinator.attempts import PrefillLegFailed, UnknownAttempt
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
 from coordinator.decision import Decider, RequestCounters
+from coordinator.flow_gate import FlowGate
 from coordinator.instance_probe import HealthProber
 from coordinator.instances import Health, InstanceState, InstanceTable
 from coordinator.latency import LatencyBook
@@ -80,6 +81,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self.on_registered: Callable[[], None] | None = (
             None  # on a registration and when a probed instance turns routable: wakes the relearn window
         )
+        #: Called after every heartbeat of a known instance (its load and progress applied): capacity may have
+        #: freed, e.g. for the admission queue (`coordinator/flow_gate.py`).
+        self.on_load: Callable[[], None] | None = None
 
     def _owner(self, instance_id: str) -> str | None:
         state = self.instances.get(instance_id)
@@ -164,6 +168,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                         self.latency.observe(beat.instance_id, done, was_busy and load.running > 0)
                 if known:
                     self.shared.reported(beat.instance_id, health, load)
+                    if self.on_load is not None:
+                        self.on_load()
                 yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=known)
         finally:
             self.open_streams -= 1
@@ -285,6 +291,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def GetConfig(self, request, context) -> admin_pb2.GetConfigResponse:
         return admin_pb2.GetConfigResponse(yaml=config_as_yaml(self.mesh), path=self.mesh.path)
 
+    def _queue_stats(self) -> list[admin_pb2.QueueStats]:
+        gate = self.decider.flow if self.decider is not None else None
+        return _queue_stats_of(gate) if gate is not None else []
+
     async def GetStats(self, request, context) -> admin_pb2.GetStatsResponse:
         ledger = self.picker.ledger
         per_instance = [
@@ -318,6 +328,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return admin_pb2.GetStatsResponse(
             tiers=tiers,
             tenants=tenants,
+            queues=self._queue_stats(),
             requests_routed=self.counters.routed,
             requests_rejected=self.counters.rejected,
             requests_inflight=ledger.total_requests,
@@ -325,6 +336,34 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             policy=self.picker.policy.name,
             instances=per_instance,
         )
+
+
+def _queue_stats_of(gate: FlowGate) -> list[admin_pb2.QueueStats]:
+    """`Admin/GetStats`'s `queues`: every model's queue counters, per (tier, tenant)."""
+    rows: dict[tuple[str, str], admin_pb2.QueueStats] = {}
+
+    def row(tier: str, tenant: str) -> admin_pb2.QueueStats:
+        stats = rows.get((tier, tenant))
+        if stats is None:
+            stats = rows[(tier, tenant)] = admin_pb2.QueueStats(tenant=tenant, tier=tier)
+        return stats
+
+    for (tier, tenant), n in gate.depth_by_tenant().items():
+        row(tier, tenant).queued_now += n
+    for queue in gate.queues.values():
+        c = queue.counters
+        for key, n in c.admitted.items():
+            row(*key).admitted_at_once += n
+        for key, n in c.queued.items():
+            row(*key).queued += n
+        for key, n in c.released.items():
+            row(*key).released += n
+        for key, s in c.wait_s.items():
+            row(*key).released_wait_seconds += s
+        for (tier, tenant, reason), n in c.shed.items():
+            stats = row(tier, tenant)
+            setattr(stats, f"shed_{reason}", getattr(stats, f"shed_{reason}") + n)
+    return [rows[k] for k in sorted(rows)]
 
 
 class MetaserverService(metaserver_pb2_grpc.MetaserverServicer):

@@ -96,6 +96,9 @@ class TicketTable:
         stale_s: float = 30.0,
     ) -> None:
         self.ledger = ledger
+        #: Called after any ticket's release (its workload gone from the ledger): capacity may have freed, e.g.
+        #: for the admission queue (`coordinator/flow_gate.py`).
+        self.on_any_release: Callable[[], object] | None = None
         self.lifetime_s = lifetime_s
         self.grace_s = grace_s
         self.stale_s = stale_s
@@ -242,6 +245,10 @@ class TicketTable:
                 for commitment in ticket.commitments:
                     self.ledger.release(commitment)
             finally:
-                if ticket.on_release is not None:
-                    ticket.on_release(ticket)
+                try:
+                    if ticket.on_release is not None:
+                        ticket.on_release(ticket)
+                finally:
+                    if self.on_any_release is not None:
+                        self.on_any_release()
         return True

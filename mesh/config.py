@@ -262,8 +262,10 @@ class MeshConfig(BaseModel):
 
     @property
     def decision_timeout_s(self) -> float:
-        """How long Envoy waits for one decision reply (its ext_authz timeout, ext_proc's message timeout)."""
-        return self.envoy.ext_proc_timeout_ms / 1000
+        """How long Envoy waits for one decision reply (its ext_authz timeout, ext_proc's message timeout):
+        `envoy.ext_proc_timeout_ms`, plus the admission queue's longest TTL when it is on
+        (`coordinator.flow_control`), so that Envoy never cuts a decision still waiting in the queue."""
+        return self.envoy.ext_proc_timeout_ms / 1000 + self.coordinator.flow_control.max_wait_s
 
     @property
     def metaserver_url(self) -> str:

@@ -228,7 +228,7 @@ def render_envoy_config(
     )
     env.filters["cluster_type"] = cluster_type
     envoy = mesh.envoy
-    ext_proc_s = envoy.ext_proc_timeout_ms / 1000
+    ext_proc_s = mesh.decision_timeout_s  # with the admission queue's longest TTL (coordinator.flow_control)
     prefill_budget_s = max(mesh.coordinator.prefill_budget_s, ext_proc_s)
     # The longest a decision may hold a whole request before it goes to an engine: ext_proc's extended timer (a
     # handoff's prefill leg runs during it), else one decision call.

@@ -9,6 +9,7 @@ time, in-process, so a whole trace replays against 8 to 512 instances in minutes
     python -m bench.fleet pd      [--workloads ...] [--sizes 8] [--nodes 2] [--loads 0.6 0.9] [--seeds 0]
                                   [--prefill N] [--mode handoff|trigger]   # P/D rules, each at its best P:D split
     python -m bench.fleet pd --trace FILE --requests N --rate R --instances N --npu-blocks B --nodes N
+    python -m bench.fleet overload [--instances 4] [--bursts 1.5 3] [--steady 0.8]   # SLO-aware admission
     python -m bench.fleet routing [--full] [--workloads ...] [--sizes 4] [--cache-sizes 2048 4096 8192 16384]
                                   [--loads 0.6 0.9 1.2] [--seeds 0]
 
@@ -555,6 +556,19 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--jitter-runs", type=int, default=4)
             s.add_argument("--rows", nargs="+", default=["round_robin", "kv_affinity", "sglang_cache_aware"])
             s.set_defaults(instances=2, rate=0.625, requests=150)
+    s = sub.add_parser(
+        "overload", help="SLO-aware admission: priority chat and flex batch, steady then a burst"
+    )
+    s.add_argument("--instances", type=int, default=4)
+    s.add_argument("--steady", type=float, default=0.8, help="steady load, a share of capacity")
+    s.add_argument(
+        "--bursts", type=float, nargs="+", default=[0.8, 1.5, 3.0], help="burst loads (0.8: no burst)"
+    )
+    s.add_argument("--steady-s", type=float, default=60.0)
+    s.add_argument("--burst-s", type=float, default=30.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--output-dir", help="write fleet-overload.md here")
+    s.set_defaults(signal=None)
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
@@ -573,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
             text, _ = cmd_routing(args, bar.update)
         elif args.cmd == "pd":
             text, _ = cmd_pd(args, bar.update)
+        elif args.cmd == "overload":
+            from bench.fleet.overload import cmd_overload
+
+            text, _ = cmd_overload(args, bar.update)
         else:
             text, rows = cmd_scale(args, bar.update)
     print(text)

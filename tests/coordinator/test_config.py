@@ -210,3 +210,22 @@ def test_replicas_need_etcd_and_get_their_own_name_and_ports():
         "127.0.0.1:9121",
     )
     assert section.replica_endpoints == ["127.0.0.1:9100", "127.0.0.1:9110", "127.0.0.1:9120"]
+
+
+def test_flow_control_keys_keep_each_tiers_defaults_and_bad_values_name_the_key():
+    flow = parse_mesh_config(
+        {"coordinator": {"flow_control": {"enabled": True, "flex": {"queue_ttl_s": 60}}}}
+    ).coordinator.flow_control
+    assert flow.flex.queue_ttl_s == 60 and flow.flex.ttft_slo_s == 10.0  # the rest of flex's defaults
+    assert flow.priority.admit_on_expiry and not flow.default.admit_on_expiry
+    assert flow.max_wait_s == 60
+    assert parse_mesh_config({}).coordinator.flow_control.max_wait_s == 0  # off by default
+    for bad, key in (
+        ({"flex": {"queue_ttl_s": -1}}, "coordinator.flow_control.flex.queue_ttl_s"),
+        ({"default": {"ttft": 1}}, "coordinator.flow_control.default.ttft: unknown key"),
+        ({"priority": {"max_queued": -1}}, "coordinator.flow_control.priority.max_queued"),
+        ({"quantum_tokens": 0}, "coordinator.flow_control.quantum_tokens"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            parse_mesh_config({"coordinator": {"flow_control": bad}})
+        assert key in str(info.value) and "\n" not in str(info.value)

@@ -133,3 +133,16 @@ def test_the_ledger_reports_what_an_instance_did_between_reports():
     ledger.release(a)
     now[0] = 0.75
     assert ledger.engine_progress("i1", {0: (0, 0)}) is None  # counters went down: the engine restarted
+
+
+def test_the_book_follows_each_instances_prefill_rate_busy_or_not():
+    book = LatencyBook()
+    for _ in range(40):  # 20 s at 4000 prompt tokens a second
+        book.observe("a", Interval(0.5, 2000, 10, 4, 100.0), busy=True)
+    assert book.prefill_rate("a") == pytest.approx(4000, rel=0.01)
+    for _ in range(20):  # 10 s without prompts (idle reports count too): it decays within a few seconds
+        book.observe("a", Interval(0.5, 0, 0, 0, 0.0), busy=False)
+    assert book.prefill_rate("a") < 40
+    assert book.prefill_rate("never") == 0.0
+    book.forget("a")
+    assert book.prefill_rate("a") == 0.0

@@ -316,3 +316,23 @@ def _ready(admin: Path) -> bool:
         return admin_get(admin, "/ready", timeout=1)[0] == 200
     except OSError:
         return False
+
+
+def test_the_decision_timeouts_outlast_the_admission_queue():
+    """With SLO-aware admission on, Envoy waits for a decision for the queue's longest TTL more (ext_authz's timeout,
+    ext_proc's message timeout, the per-try retry timeout, the whole-request timer): a held decision is never cut."""
+    flow = {"enabled": True, "flex": {"ttft_slo_s": 10, "tpot_slo_s": 1, "max_queued": 4, "queue_ttl_s": 25}}
+    mesh = parse_mesh_config({"coordinator": {"flow_control": flow}})
+    assert mesh.decision_timeout_s == 30.0  # 5 s + the flex TTL (the largest)
+    ingress = hcm_of(build_envoy_config(mesh, DESCRIPTOR)["static_resources"]["listeners"][0])
+    authz = ingress["http_filters"][0]["typed_config"]
+    assert authz["grpc_service"]["timeout"] == "30s"
+    assert authz["grpc_service"]["retry_policy"]["retry_back_off"]["max_interval"] == "30s"
+    assert ingress["request_timeout"] == "90s"  # the body's 60 s plus the decision's longest
+    pd = parse_mesh_config({"coordinator": {"flow_control": flow, "pd_mode": "prefill_handoff_decode"}})
+    ext_proc = hcm_of(build_envoy_config(pd, DESCRIPTOR)["static_resources"]["listeners"][0])["http_filters"][
+        0
+    ]
+    assert ext_proc["typed_config"]["message_timeout"] == "30s"
+    off = parse_mesh_config({})
+    assert off.decision_timeout_s == 5.0

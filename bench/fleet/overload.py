@@ -1,0 +1,361 @@
+"""SLO-aware admission under overload, in virtual time: interactive `priority` traffic and `flex` batch traffic
+on simulated engines (simengine's scheduler and 910B timing, scheduling by vLLM's priority as
+`coordinator.engine_priority` makes them), at a steady 80% of the fleet's capacity and then a burst, with and
+without the coordinator's admission queue.
+
+The queue is the coordinator's own pure core (`coordinator/flow_control.py`: `FlowQueue`, `EngineView`,
+`predict`, `meets`), fed what the coordinator has: the workload ledger following the engines' progress counters,
+the latency model learning their step costs, and their load reports every `load_interval_s`. Heads are checked
+on every request's end and every load report, as the shell (`coordinator/flow_gate.py`) does. A refused request
+is counted as a 429 and not retried.
+
+Per tier: SLO attainment (requests whose TTFT, counted from arrival and so including the wait in the queue, and
+mean TPOT meet the tier's SLO, over every request sent, refused ones included), TTFT p50/p99 of the served ones,
+goodput (output tokens a second of the requests that met their SLO) and 429s.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+
+from bench.fleet.instance import EngineSpec, SimInstance
+from bench.replay import percentile
+from coordinator.flow_control import (
+    DEFAULT_SLOS,
+    EngineView,
+    Entry,
+    FlowQueue,
+    TierSlo,
+    Verdict,
+    meets,
+    predict,
+)
+from coordinator.latency import LatencyBook
+from coordinator.picker import candidates
+from coordinator.scheduling import RequestFacts, create_policy
+from coordinator.tenants import ENGINE_PRIORITY, Tier
+from coordinator.workload import WorkloadLedger
+from simengine.request import Request, SamplingParams
+from simengine.sampler import Sampler
+
+_ARRIVAL, _STEP_END, _LOAD, _EXPIRE = 0, 1, 2, 3
+MODEL = "tandem-sim"
+
+
+@dataclass(frozen=True)
+class TrafficClass:
+    tier: Tier
+    tenant: str
+    share: float  # of requests
+    prompt: int  # tokens
+    output: int  # tokens
+
+
+#: Interactive chat (priority) and batch jobs (flex), half of the requests each.
+TRAFFIC = (
+    TrafficClass(Tier.PRIORITY, "chat", 0.5, 512, 128),
+    TrafficClass(Tier.FLEX, "batch", 0.5, 2048, 256),
+)
+
+
+@dataclass(frozen=True)
+class OverloadConfig:
+    instances: int = 4
+    engine: EngineSpec = EngineSpec(npu_blocks=16384)
+    steady: float = 0.8  # load, as a share of the fleet's capacity
+    burst: float = 1.5
+    steady_s: float = 60.0  # steady, then the burst, then steady again
+    burst_s: float = 30.0
+    admission: bool = True
+    slos: dict[Tier, TierSlo] = field(default_factory=lambda: dict(DEFAULT_SLOS))
+    load_interval_s: float = 0.25
+    seed: int = 0
+
+
+@dataclass
+class TierResult:
+    sent: int = 0
+    refused: int = 0
+    met: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    good_tokens: int = 0
+
+
+@dataclass
+class OverloadResult:
+    tiers: dict[Tier, TierResult]
+    span_s: float
+    queue_peak: int = 0
+    residual: int = 0  # ledger requests after the last end (0: nothing leaked)
+
+    def goodput(self, tier: Tier) -> float:
+        return self.tiers[tier].good_tokens / self.span_s if self.span_s else float("nan")
+
+
+def arrivals(rate: float, cfg: OverloadConfig) -> list[tuple[float, TrafficClass]]:
+    """Poisson arrivals: `cfg.steady` x `rate` for `steady_s`, `cfg.burst` x `rate` for `burst_s`, steady again."""
+    rng = random.Random(cfg.seed)
+    out = []
+    t = 0.0
+    phases = ((cfg.steady, cfg.steady_s), (cfg.burst, cfg.burst_s), (cfg.steady, cfg.steady_s))
+    start = 0.0
+    for load, duration in phases:
+        t = start
+        while True:
+            t += rng.expovariate(load * rate)
+            if t >= start + duration:
+                break
+            pick = rng.random()
+            acc = 0.0
+            for c in TRAFFIC:
+                acc += c.share
+                if pick < acc:
+                    out.append((t, c))
+                    break
+        start += duration
+    return out
+
+
+class OverloadFleet:
+    def __init__(self, cfg: OverloadConfig) -> None:
+        self.cfg = cfg
+        self.now = 0.0
+        sampler = Sampler(list(range(1000, 2000)), eos_token_id=2)
+        self.instances = [
+            SimInstance(f"sim-{i}", MODEL, cfg.engine, sampler, None) for i in range(cfg.instances)
+        ]
+        for inst in self.instances:
+            inst.scheduler.priority = True  # --scheduling-policy priority (coordinator.engine_priority)
+        self.ledger = WorkloadLedger(lambda: self.now)
+        self.latency = LatencyBook(budget=cfg.engine.max_num_batched_tokens)
+        self.policy = create_policy("least_load", None)
+        self.queue = FlowQueue(cfg.slos) if cfg.admission else None
+        self.result = OverloadResult({c.tier: TierResult() for c in TRAFFIC}, 0.0)
+        self._heap: list = []
+        self._seq = 0
+        self._live: dict[
+            int, list
+        ] = {}  # id(request) -> [commitment, class, arrival, first token at, instance]
+        self._waiting: dict[Entry, tuple[float, TrafficClass]] = {}
+        self._keys = 0
+
+    def push(self, at: float, kind: int, obj) -> None:
+        heapq.heappush(self._heap, (at, self._seq, kind, obj))
+        self._seq += 1
+
+    # --- the coordinator ------------------------------------------------------------------------------------
+
+    def _views(self) -> list[EngineView]:
+        views = []
+        for inst in self.instances:
+            iid = inst.state.info.instance_id
+            decoding, context = self.ledger.decoding(iid)
+            load = inst.state.load
+            views.append(
+                EngineView(
+                    self.latency.costs(iid),
+                    self.ledger.prefill_tokens(iid),
+                    decoding,
+                    context,
+                    self.ledger.requests(iid),
+                    load.running,
+                    load.waiting,
+                    self.latency.prefill_rate(iid),
+                )
+            )
+        return views
+
+    def _fits(self, c: TrafficClass) -> bool:
+        assert self.queue is not None
+        views = self._views()
+        if any(v.idle for v in views):
+            return True
+        budget = self.cfg.engine.max_num_batched_tokens
+        return meets([predict(v, c.prompt, budget) for v in views], self.queue.threshold(c.tier))
+
+    def _dispatch(self, arrived: float, c: TrafficClass) -> None:
+        self._keys += 1
+        facts = RequestFacts(f"r{self._keys}", MODEL, c.prompt, c.output)
+        pool = candidates([i.state for i in self.instances], self.ledger, None, self.latency)
+        chosen = self.policy.pick(facts, pool)
+        inst = self.instances[int(chosen.instance_id[4:])]
+        commitment = self.ledger.commit(chosen.instance_id, c.prompt, c.output, c.prompt + c.output, c.prompt)
+        rng = random.Random(self._keys)
+        prompt = [rng.randrange(1000, 30000) for _ in range(c.prompt)]  # no shared prefixes
+        req = Request(
+            f"r{self._keys}-0",
+            prompt,
+            SamplingParams(max_tokens=c.output, ignore_eos=True, seed_key=self._keys),
+            arrival_time=arrived,
+            priority=ENGINE_PRIORITY[c.tier],
+        )
+        self._live[id(req)] = [commitment, c, arrived, None, inst]
+        inst.add(req)
+        if not inst.busy:
+            dt = inst.start_step()
+            if dt is not None:
+                self.push(self.now + dt, _STEP_END, inst)
+
+    def _refuse(self, c: TrafficClass) -> None:
+        self.result.tiers[c.tier].refused += 1
+
+    def _offer(self, arrived: float, c: TrafficClass) -> None:
+        self.result.tiers[c.tier].sent += 1
+        q = self.queue
+        if q is None:
+            self._dispatch(arrived, c)
+            return
+        entry = Entry(None, c.tier, c.tenant, c.prompt + c.output, self.now)
+        decision = q.offer(entry, self._fits(c), self.now)
+        if decision.displaced is not None:
+            _, displaced = self._waiting.pop(decision.displaced)
+            self._refuse(displaced)
+        if decision.verdict == Verdict.ADMIT:
+            self._dispatch(arrived, c)
+        elif decision.verdict == Verdict.REJECT:
+            self._refuse(c)
+        else:
+            self._waiting[entry] = (arrived, c)
+            self.push(entry.deadline, _EXPIRE, entry)
+            self.result.queue_peak = max(self.result.queue_peak, len(q))
+
+    def _kick(self) -> None:
+        q = self.queue
+        while q is not None and (head := q.head()) is not None:
+            arrived, c = self._waiting[head]
+            if not self._fits(c):
+                return
+            q.release(head, self.now)
+            del self._waiting[head]
+            self._dispatch(arrived, c)
+
+    # --- the run --------------------------------------------------------------------------------------------
+
+    def run(self, arrivals: list[tuple[float, TrafficClass]]) -> OverloadResult:
+        for at, c in arrivals:
+            self.push(at, _ARRIVAL, c)
+        self.push(0.0, _LOAD, None)
+        last = 0.0
+        while self._heap:
+            now, _, kind, obj = heapq.heappop(self._heap)
+            self.now = now
+            if kind == _ARRIVAL:
+                self._offer(now, obj)
+            elif kind == _STEP_END:
+                self._step_end(obj)
+                last = now
+            elif kind == _LOAD:
+                self._report()
+                if self._live or self._waiting or any(k == _ARRIVAL for _, _, k, _ in self._heap):
+                    self.push(now + self.cfg.load_interval_s, _LOAD, None)
+            elif kind == _EXPIRE:
+                entry = obj
+                if entry.queued and self.queue is not None:
+                    arrived, c = self._waiting.pop(entry)
+                    if self.queue.expire(entry).verdict == Verdict.ADMIT:
+                        self._dispatch(arrived, c)
+                    else:
+                        self._refuse(c)
+        self.result.span_s = last
+        self.result.residual = self.ledger.total_requests
+        return self.result
+
+    def _report(self) -> None:
+        for inst in self.instances:
+            was_busy = inst.state.load.running > 0
+            inst.report_load(self.now)
+            iid = inst.state.info.instance_id
+            interval = self.ledger.engine_progress(iid, {0: (inst.prompt_counter, inst.generation_counter)})
+            self.latency.observe(iid, interval, was_busy and inst.state.load.running > 0)
+        self._kick()
+
+    def _step_end(self, inst: SimInstance) -> None:
+        ended = False
+        for req in inst.end_step():
+            entry = self._live.get(id(req))
+            if entry is None:
+                continue
+            commitment, c, arrived, first, _ = entry
+            if len(req.output_token_ids) == 1:
+                inst.prompt_counter += len(req.prompt_token_ids)
+                entry[3] = first = self.now
+            inst.generation_counter += 1
+            if req.is_finished:
+                self._finish(entry, c, arrived, first)
+                self.ledger.release(commitment, started=True)
+                del self._live[id(req)]
+                ended = True
+        dt = inst.start_step()
+        if dt is not None:
+            self.push(self.now + dt, _STEP_END, inst)
+        if ended:
+            self._kick()
+
+    def _finish(self, entry, c: TrafficClass, arrived: float, first: float) -> None:
+        t = self.result.tiers[c.tier]
+        ttft = first - arrived
+        tpot = (self.now - first) / max(1, c.output - 1)
+        t.ttft_s.append(ttft)
+        slo = self.cfg.slos[c.tier]
+        if ttft <= slo.ttft_slo_s and tpot <= slo.tpot_slo_s:
+            t.met += 1
+            t.good_tokens += c.output
+
+
+def capacity(cfg: OverloadConfig, backlog: int = 200) -> float:
+    """Requests a second the fleet completes of the traffic mix when saturated: a backlog sent at once, without
+    admission, divided by its makespan."""
+    rng = random.Random(cfg.seed + 7)
+    batch = []
+    for i in range(backlog):
+        pick, acc = rng.random(), 0.0
+        for c in TRAFFIC:
+            acc += c.share
+            if pick < acc:
+                batch.append((i * 1e-3, c))
+                break
+    fleet = OverloadFleet(OverloadConfig(**{**cfg.__dict__, "admission": False}))
+    result = fleet.run(batch)
+    return backlog / result.span_s
+
+
+def cmd_overload(args, progress) -> tuple[str, list]:
+    base = OverloadConfig(
+        instances=args.instances,
+        steady=args.steady,
+        steady_s=args.steady_s,
+        burst_s=args.burst_s,
+        seed=args.seed,
+    )
+    rate = capacity(base)
+    progress(1)
+    lines = [
+        f"Overload: {base.instances} simulated 910B engines (simengine, priority scheduling), "
+        f"{TRAFFIC[0].share:.0%} priority chat ({TRAFFIC[0].prompt} in / {TRAFFIC[0].output} out) and "
+        f"{TRAFFIC[1].share:.0%} flex batch ({TRAFFIC[1].prompt} in / {TRAFFIC[1].output} out); capacity "
+        f"{rate:.1f} requests/s (a saturated backlog's throughput); {base.steady:.0%} of it for {base.steady_s:g} s, "
+        f"the burst for {base.burst_s:g} s, {base.steady:.0%} for {base.steady_s:g} s; Poisson, seed {base.seed}. "
+        "SLOs: the defaults (priority TTFT 1 s / TPOT 0.1 s, flex 10 s / 0.3 s); TTFT from arrival, in simulated ms.",
+        "",
+        "| burst | admission | tier | sent | 429 | SLO met | TTFT p50 | TTFT p99 | goodput tok/s | queue peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for burst in args.bursts:
+        for admission in (False, True):
+            cfg = OverloadConfig(**{**base.__dict__, "burst": burst, "admission": admission})
+            result = OverloadFleet(cfg).run(arrivals(rate, cfg))
+            assert result.residual == 0, "the ledger kept requests after the last end"
+            progress(1)
+            for c in TRAFFIC:
+                t = result.tiers[c.tier]
+                lines.append(
+                    f"| {burst:g}x | {'on' if admission else 'off'} | {c.tier.value} | {t.sent} | {t.refused} "
+                    f"| {t.met / t.sent:.0%} | {percentile(t.ttft_s, 50) * 1000:.0f} "
+                    f"| {percentile(t.ttft_s, 99) * 1000:.0f} | {result.goodput(c.tier):.0f} | "
+                    f"{result.queue_peak if admission else '-'} |"
+                )
+                rows.append((burst, admission, c.tier.value, t, result))
+    return "\n".join(lines), rows
