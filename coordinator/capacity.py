@@ -37,7 +37,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from coordinator.latency import Interval, StepCosts
+from coordinator.instances import InstanceState
+from coordinator.latency import Interval, LatencyBook, StepCosts
 
 ROLES = ("prefill", "decode")
 
@@ -85,6 +86,7 @@ class Sizing:
     )
     suggested_decode: int
     decode_batch: float  # sequences per decode instance the demand implies at the current split (inf: beyond)
+    demand: Demand = Demand()  # what the figures were computed from
 
     @property
     def utilisation(self) -> float:
@@ -173,6 +175,7 @@ def size(model: str, demand: Demand, engines: Iterable[Engine], limits: Limits =
             0,
             0,
             0.0,
+            demand,
         )
     pre = [e for e in engines if e.role == "prefill"]
     dec = [e for e in engines if e.role == "decode"]
@@ -181,12 +184,12 @@ def size(model: str, demand: Demand, engines: Iterable[Engine], limits: Limits =
     u_d = _share(demand.output_tokens_s, sum(decode_capacity(e, ctx, limits) for e in dec))
     batch = implied_batch(_mean_costs(dec), demand.output_tokens_s / len(dec), ctx) if dec else math.inf
     if total < 2:  # nothing to divide
-        return Sizing(model, False, total, u_p, u_d, len(pre), len(dec), len(pre), len(dec), batch)
+        return Sizing(model, False, total, u_p, u_d, len(pre), len(dec), len(pre), len(dec), batch, demand)
     both = pre + dec
     prefill_each = sum(prefill_capacity(e.costs, limits) for e in both) / total
     decode_each = sum(decode_capacity(e, ctx, limits) for e in both) / total
     p = best_split(total, prefill_each, decode_each, demand, min(max(len(pre), 1), total - 1))
-    return Sizing(model, False, total, u_p, u_d, len(pre), len(dec), p, total - p, batch)
+    return Sizing(model, False, total, u_p, u_d, len(pre), len(dec), p, total - p, batch, demand)
 
 
 class DemandMeter:
@@ -217,7 +220,9 @@ class DemandMeter:
         if not arrived and not generated:
             self._prune(model, now)
             return
-        self._since.setdefault(model, now)
+        self._since.setdefault(
+            model, now - (done.seconds if done is not None else 0.0)
+        )  # the interval's start
         self._events.setdefault(model, collections.deque()).append(
             (now, arrived, generated, generated * context)
         )
@@ -248,3 +253,24 @@ class DemandMeter:
 
     def models(self) -> list[str]:
         return sorted(self._events)
+
+
+def engines_of(states: Iterable[InstanceState], book: LatencyBook) -> dict[str, list[Engine]]:
+    """Each model's instances that may serve (healthy, not drained), with their learned costs and KV size."""
+    out: dict[str, list[Engine]] = {}
+    for s in states:
+        if not s.routable:
+            continue
+        info = s.info
+        kv = s.load.kv_blocks * info.block_size * max(1, info.data_parallel_size)
+        out.setdefault(info.model, []).append(Engine(info.role, book.costs(info.instance_id), kv))
+    return out
+
+
+def fleet_sizing(
+    states: Iterable[InstanceState], book: LatencyBook, meter: DemandMeter, limits: Limits
+) -> list[Sizing]:
+    """Every model with a serving instance, by name: its utilisation and suggested split now."""
+    by_model = engines_of(states, book)
+    limits = Limits(book.budget, limits.max_seqs, limits.itl_s)
+    return [size(m, meter.demand(m), by_model[m], limits) for m in sorted(by_model)]

@@ -147,8 +147,9 @@ def test_the_meter_counts_arrived_prefill_as_computed_plus_queue_growth():
 def test_a_young_model_is_measured_over_its_life_not_the_whole_window():
     clock = Clock()
     meter = DemandMeter(window_s=60, clock=clock)
-    meter.observe("m", "a", Interval(1.0, 6000, 0, 0), queued_prefill=0)
+    clock.t = 1
+    meter.observe("m", "a", Interval(1.0, 6000, 0, 0), queued_prefill=0)  # its first interval began at 0
     clock.t = 12
     assert meter.demand("m").prefill_tokens_s == pytest.approx(500)
-    clock.t = 1  # at least a tenth of the window
+    clock.t = 3  # at least a tenth of the window
     assert meter.demand("m").prefill_tokens_s == pytest.approx(1000)
