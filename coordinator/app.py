@@ -18,6 +18,7 @@ from coordinator import mesh_health, metrics
 from coordinator.access_log import AccessLogService
 from coordinator.api_keys import ApiKeys
 from coordinator.attempts import AttemptRegistry
+from coordinator.capacity import DemandMeter, Limits, Sizing, fleet_sizing
 from coordinator.config import MeshView, SchedulerConfig
 from coordinator.config_watch import watch_config
 from coordinator.decision import Decider
@@ -153,6 +154,12 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)
     prober = HealthProber() if config.probe_instances else None
+    demand = DemandMeter(config.sizing.window_s)
+    limits = Limits(max_seqs=config.sizing.max_num_seqs, itl_s=config.sizing.itl_s)
+
+    def sizing() -> list[Sizing]:
+        return fleet_sizing(instances.all(), picker.latency, demand, limits)
+
     registry = RegistryService(
         instances,
         config,
@@ -162,6 +169,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         book=mesh.node_book,
         prober=prober,
         latency=picker.latency,
+        demand=demand,
     )
     if config.relearn_s > 0:  # a (re)started coordinator waits for the agents' registrations rather than 503
         decider.relearn = RelearnWindow(config.relearn_s)
@@ -170,7 +178,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         decider.flow = FlowGate(config.flow_control, picker)
         tickets.on_any_release = decider.flow.kick
         registry.on_load = decider.flow.kick
-    admin = AdminService(picker, decider.counters, mesh, shared, decider)
+    admin = AdminService(picker, decider.counters, mesh, shared, decider, sizing)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
@@ -186,6 +194,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
     app.advertise(mesh_health.CONDUCTOR_SERVICE, mesh_health.NODE_AGENT_SERVICE)
     metrics.WORKLOAD.watch(picker.ledger, lambda: [s.info.instance_id for s in instances.all()])
     metrics.LATENCY.watch(picker.latency, lambda: [s.info.instance_id for s in instances.all()])
+    metrics.SIZING.watch(sizing)
     metrics.TICKETS.watch(tickets)
     app.on_stop(registry.close)
     metrics.TENANTS.watch(decider)

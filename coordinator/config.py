@@ -250,6 +250,20 @@ class TopologySettings(BaseModel):
         return Topology(nodes, PRESETS[self.preset])
 
 
+class SizingSettings(BaseModel):
+    """`coordinator.sizing`: the P:D sizing signal (`coordinator.capacity`, docs/pd.md "Sizing")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window_s: float = Field(default=60.0, gt=0)
+    """Demand is averaged over this recent window."""
+    max_num_seqs: int = Field(default=256, ge=1)
+    """The engines' `max_num_seqs`: the largest decode batch counted as capacity."""
+    itl_s: float = Field(default=0.0, ge=0)
+    """When above 0, the decode batch counted as capacity is also bounded so that a step stays within this
+    inter-token latency (your ITL objective); 0: bounded by `max_num_seqs` and KV blocks only."""
+
+
 class EtcdSettings(BaseModel):
     """`coordinator.etcd`: where replicas share the instance registry and drain flags."""
 
@@ -406,6 +420,8 @@ class CoordinatorConfig(BaseModel):
     """Scheduling policy."""
     topology: TopologySettings = TopologySettings()
     """Nodes' places and KV transfer links (the joint P/D choice, `scheduler.pd_choice`)."""
+    sizing: SizingSettings = SizingSettings()
+    """The P:D sizing signal: utilisation per role and a suggested split, on `/metrics` and `Admin/GetStats`."""
     ticket_lifetime_s: float = Field(default=3600.0, gt=0)
     """Longest a routed request holds its workload when Envoy's access log never reports its end (the log is
     at-most-once); make it longer than the longest response."""

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from coordinator.capacity import Sizing
 from coordinator.latency import LatencyBook
 from coordinator.scheduling.pd_joint import PairChoice, PdJoint
 from coordinator.workload import WorkloadLedger
@@ -149,6 +150,44 @@ class LatencyCollector:
 
 LATENCY = LatencyCollector()
 REGISTRY.register(LATENCY)
+
+
+class SizingCollector:
+    """Each model's P:D sizing signal (`coordinator.capacity`), computed at scrape time."""
+
+    def __init__(self) -> None:
+        self.sizing: Callable[[], list[Sizing]] = list
+
+    def watch(self, sizing: Callable[[], list[Sizing]]) -> None:
+        """Reports these figures from now on."""
+        self.sizing = sizing
+
+    def collect(self):
+        used = GaugeMetricFamily(
+            "tandem_coordinator_pd_utilisation",
+            "Demand over learned capacity per model and role (prefill, decode; hybrid for an aggregated pool): "
+            "0 idle, 1 saturated, above 1 overloaded",
+            labels=["model", "role"],
+        )
+        suggested = GaugeMetricFamily(
+            "tandem_coordinator_pd_suggested_instances",
+            "Of a P/D model's prefill and decode instances, the split that minimises the larger utilisation",
+            labels=["model", "role"],
+        )
+        for z in self.sizing():
+            if z.aggregated:
+                used.add_metric([z.model, "hybrid"], z.utilisation)
+                continue
+            used.add_metric([z.model, "prefill"], z.prefill_utilisation)
+            used.add_metric([z.model, "decode"], z.decode_utilisation)
+            suggested.add_metric([z.model, "prefill"], z.suggested_prefill)
+            suggested.add_metric([z.model, "decode"], z.suggested_decode)
+        yield used
+        yield suggested
+
+
+SIZING = SizingCollector()
+REGISTRY.register(SIZING)
 
 
 class TicketCollector:

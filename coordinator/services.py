@@ -15,6 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from coordinator import metrics
 from coordinator.admission import NodeBook, registration_refusal
 from coordinator.attempts import PrefillLegFailed, UnknownAttempt
+from coordinator.capacity import DemandMeter, Sizing
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
 from coordinator.decision import Decider, RequestCounters
@@ -67,11 +68,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         book: NodeBook | None = None,
         prober: HealthProber | None = None,
         latency: LatencyBook | None = None,
+        demand: DemandMeter | None = None,
     ) -> None:
         self.instances = instances
         self.config = config
         self.ledger = ledger  # follows each instance's progress counters, as heartbeats carry them
         self.latency = latency  # learns each instance's step costs from what the ledger saw done
+        self.demand = demand  # each model's recent demand, for the P:D sizing signal (`coordinator.capacity`)
         self.shared = shared or LocalState()  # where other replicas learn what this one hears
         self.tls_on = tls_on
         self.book = book or NodeBook()
@@ -166,6 +169,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                     done = self.ledger.engine_progress(beat.instance_id, load.progress)
                     if self.latency is not None:
                         self.latency.observe(beat.instance_id, done, was_busy and load.running > 0)
+                    if self.demand is not None and before is not None:
+                        queued = self.ledger.committed_prefill_tokens(beat.instance_id)
+                        self.demand.observe(before.info.model, beat.instance_id, done, queued)
                 if known:
                     self.shared.reported(beat.instance_id, health, load)
                     if self.on_load is not None:
@@ -188,6 +194,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         state = self.instances.deregister(instance_id)
         if self.latency is not None:
             self.latency.forget(instance_id)
+        if self.demand is not None:
+            self.demand.forget(instance_id)
         probe = self._probes.pop(instance_id, None)
         if probe is not None:
             probe.cancel()
@@ -240,6 +248,24 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             await self.prober.close()
 
 
+def sizing_to_proto(z: Sizing) -> admin_pb2.ModelSizing:
+    return admin_pb2.ModelSizing(
+        model=z.model,
+        aggregated=z.aggregated,
+        prefill_tokens_per_s=z.demand.prefill_tokens_s,
+        output_tokens_per_s=z.demand.output_tokens_s,
+        mean_context_tokens=z.demand.mean_context,
+        prefill_utilisation=z.prefill_utilisation,
+        decode_utilisation=z.decode_utilisation,
+        utilisation=z.utilisation,
+        prefill_instances=z.prefill,
+        decode_instances=z.decode,
+        suggested_prefill_instances=z.suggested_prefill,
+        suggested_decode_instances=z.suggested_decode,
+        decode_batch=z.decode_batch,
+    )
+
+
 class AdminService(admin_pb2_grpc.AdminServicer):
     """The operator's view: instances, drain, config, stats."""
 
@@ -250,11 +276,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         mesh,
         shared: SharedState | None = None,
         decider: Decider | None = None,
+        sizing: Callable[[], list[Sizing]] | None = None,
     ) -> None:
         self.shared = shared or LocalState()
         self.picker = picker
         self.counters = counters
         self.decider = decider  # its tenants and quotas (GetStats)
+        self.sizing = sizing  # each model's P:D sizing signal now (`coordinator.capacity.fleet_sizing`)
         self.mesh = mesh  # the running config; its scheduler section follows reloads
 
     def _status(self, instance_id: str):
@@ -335,6 +363,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             workload_tokens=ledger.total_tokens,
             policy=self.picker.policy.name,
             instances=per_instance,
+            sizing=[sizing_to_proto(z) for z in (self.sizing() if self.sizing is not None else [])],
         )
 
 

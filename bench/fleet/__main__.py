@@ -383,7 +383,9 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
         f"goodput: requests per simulated second with {slo}; bytes across nodes: GB of KV moved between nodes; "
         "hit rate: prompt tokens found in the prefix cache of the instance that computed the prompt; local share: "
         "requests a P/D rule served on one instance; most waiting: the largest queue (waiting requests) any instance "
-        "reported."
+        "reported; suggested: the coordinator's P:D sizing (`coordinator.capacity`) from the run's demand (prompt "
+        "tokens computed, output tokens and mean context per second of arrivals) at the profile's step costs, the "
+        "decode batch bounded by the ITL bound."
     )
 
     def base(n: int) -> PdConfig:

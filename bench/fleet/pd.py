@@ -45,12 +45,14 @@ from bench.fleet.workload import Arrival, PromptSource
 from bench.replay import percentile
 from conductor.index import KvIndex
 from conductor.match import match as conductor_match
+from coordinator.capacity import Demand, Engine, Limits, Sizing, size
 from coordinator.kv_match import best_rank_match
+from coordinator.latency import StepCosts
 from coordinator.picker import candidates
 from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import KvMatch, RequestFacts
 from coordinator.workload import WorkloadLedger
-from simengine.profiles import KV_BYTES_PER_TOKEN_8B
+from simengine.profiles import KV_BYTES_PER_TOKEN_8B, PROFILES
 from simengine.request import Request, SamplingParams
 from simengine.sampler import Sampler
 from tandem.chain_hash import chain_hashes
@@ -115,6 +117,14 @@ class PdResult:
     wall_s: float = 0.0
     cpu_s: float = 0.0  # CPU time of the whole simulation (what it costs on an idle core)
     prefill: int = 0  # the split this run used (0: aggregated)
+    # Demand over every request, measured or not (P:D sizing, `coordinator.capacity`):
+    prompt_computed: int = 0  # prompt tokens computed (prompt minus the computing instance's prefix hit)
+    generated: int = 0  # output tokens of finished requests
+    context_generated: float = (
+        0.0  # output tokens x the context each was generated at (prompt + half the output)
+    )
+    arrival_span_s: float = 0.0  # first to last arrival
+    sizing: Any = None  # `coordinator.capacity.Sizing` from this run's demand (`suggest`)
 
     @property
     def mean_ttft(self) -> float:
@@ -329,6 +339,8 @@ class PdFleet:
         r.bytes_inter_node = self.links.bytes_inter_node
         r.bytes_intra_node = self.links.bytes_intra_node
         r.makespan_s = last - first_at
+        r.arrival_span_s = arrivals[-1].at_s - first_at if arrivals else 0.0
+        r.sizing = suggest(cfg, r)
         r.wall_s = time.perf_counter() - wall0
         r.cpu_s = time.process_time() - cpu0
         return r
@@ -480,12 +492,16 @@ class PdFleet:
         self._kick(self.by_id[live.choice.decode])
 
     def _count_hits(self, live: _Live, req: Request) -> None:
+        self.result.prompt_computed += len(req.prompt_token_ids) - max(req.num_cached_tokens, 0)
         if live.measured:
             self.result.queries += len(req.prompt_token_ids)
             self.result.hits += max(req.num_cached_tokens, 0)
 
     def _finish(self, live: _Live, req: Request, now: float) -> None:
         self.ledger.release(live.decode_commit, started=True)
+        out = len(req.output_token_ids)
+        self.result.generated += out
+        self.result.context_generated += out * (live.arrival.input_len + out / 2)
         if not live.measured:
             return
         r, cfg = self.result, self.cfg
@@ -533,6 +549,45 @@ def refine(instances: int, tried: list[int], best_prefill: int) -> list[int]:
     step = max(1, round(instances / 8))
     near = {best_prefill - step, best_prefill + step}
     return sorted(p for p in near if 1 <= p < instances and p not in tried)
+
+
+def profile_costs(engine: EngineSpec, mean_prompt: float) -> StepCosts:
+    """The step costs `coordinator.latency` learns from an engine of this profile (what the learner converges
+    to: docs/scheduling.md, "Predicted latency"): a prompt token's attention to the half of its prompt before it is
+    folded into the prefill cost, as the fit folds it."""
+    p = PROFILES[engine.profile]
+    return StepCosts(
+        step=p.step_overhead_s + p.weights_read_s,
+        prefill=p.prefill_s_per_token + p.attn_s_per_pair * mean_prompt / 2,
+        decode=p.per_seq_overhead_s,
+        context=p.kv_read_s_per_token,
+    )
+
+
+def suggest(cfg: PdConfig, r: PdResult) -> Sizing:
+    """The coordinator's P:D sizing (`coordinator.capacity.size`) for this run: demand measured over the
+    arrivals (prompt tokens computed, output tokens, mean context), every engine at its profile's costs, its KV
+    blocks, and the decode batch bounded by the goodput's ITL."""
+    span = r.arrival_span_s or 1.0
+    demand = Demand(
+        r.prompt_computed / span,
+        r.generated / span,
+        r.context_generated / r.generated if r.generated else 0.0,
+    )
+    measured_prompt = r.queries / r.measured if r.measured else 0.0
+    costs = profile_costs(cfg.engine, measured_prompt)
+    kv = cfg.engine.npu_blocks * cfg.engine.block_size
+    if r.prefill:
+        engines = [Engine("prefill", costs, kv)] * r.prefill + [Engine("decode", costs, kv)] * (
+            cfg.instances - r.prefill
+        )
+    else:  # aggregated run: size the same fleet as if split (the suggestion does not depend on the current split
+        # except for ties)
+        engines = [Engine("prefill", costs, kv)] * (cfg.instances // 2) + [Engine("decode", costs, kv)] * (
+            cfg.instances - cfg.instances // 2
+        )
+    limits = Limits(cfg.engine.max_num_batched_tokens, cfg.engine.max_num_seqs, cfg.itl_slo_s)
+    return size(cfg.model, demand, engines, limits)
 
 
 def best(results: list[PdResult]) -> PdResult:

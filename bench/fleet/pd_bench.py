@@ -122,26 +122,34 @@ class PdCell:
 
 
 HEADER = (
-    "| rule | P:D | mean | p99 | itl p99 | goodput | bytes across nodes | hit rate | local share | "
-    "most waiting on one instance |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| rule | P:D | suggested | mean | p99 | itl p99 | goodput | bytes across nodes | hit rate | local share | "
+    "most waiting on one instance |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
 def row(label: str, rs: Sequence[PdResult], instances: int) -> str:
     """One table row, averaged over `rs` (seeds): TTFT and ITL in simulated ms, goodput in requests per simulated
-    second, bytes across nodes in GB, hit rate and local share as fractions."""
+    second, bytes across nodes in GB, hit rate and local share as fractions; suggested: the coordinator's P:D
+    sizing from the run's demand (`bench.fleet.pd.suggest`)."""
 
     def avg(f) -> float:
         return statistics.fmean(f(r) for r in rs)
 
     split = ", ".join(sorted({f"{r.prefill}:{instances - r.prefill}" if r.prefill else "-" for r in rs}))
+    suggested = ", ".join(sorted({suggested_split(r) for r in rs}))
     local = avg(lambda r: r.local / max(r.local + r.disaggregated, 1)) if rs[0].prefill else 1.0
     return (
-        f"| {label} | {split} | {avg(lambda r: r.mean_ttft) * 1000:.0f} | {avg(lambda r: r.pct(99)) * 1000:.0f} "
+        f"| {label} | {split} | {suggested} | {avg(lambda r: r.mean_ttft) * 1000:.0f} | {avg(lambda r: r.pct(99)) * 1000:.0f} "
         f"| {avg(lambda r: r.itl_p99) * 1000:.1f} | {avg(lambda r: r.goodput):.2f} "
         f"| {avg(lambda r: r.bytes_inter_node) / 1e9:.1f} | {avg(lambda r: r.hit_rate):.3f} | {local:.2f} "
         f"| {avg(lambda r: max(r.max_waiting.values(), default=0)):.0f} |"
     )
+
+
+def suggested_split(r: PdResult) -> str:
+    """The coordinator's suggested P:D (`coordinator.capacity`) from the run's demand, as `P:D`."""
+    z = r.sizing
+    return f"{z.suggested_prefill}:{z.suggested_decode}" if z is not None else "-"
 
 
 def cost_line(runs: int, cpu_s: float) -> str:

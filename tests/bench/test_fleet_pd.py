@@ -8,7 +8,7 @@ import pytest
 
 from bench.fleet.instance import EngineSpec
 from bench.fleet.links import Links, Topology
-from bench.fleet.pd import PdConfig, PdFleet, refine, simulate_pd, splits, spread
+from bench.fleet.pd import PdConfig, PdFleet, PdResult, refine, simulate_pd, splits, spread, suggest
 from bench.fleet.pd_rules import RULES, PdView, create_rule
 from bench.fleet.workload import PromptSource, arrivals
 from coordinator.instances import InstanceInfo, InstanceState
@@ -237,11 +237,39 @@ def test_cli_writes_one_row_per_rule(tmp_path):
     argv += ["--rules", "aggregated", "tandem_least_load", "--workers", "1", "--output-dir", str(tmp_path)]
     assert main(argv) == 0
     text = (tmp_path / "fleet-pd.md").read_text()
-    assert "| rule | P:D | mean | p99 | itl p99 | goodput | bytes across nodes | hit rate |" in text
+    assert (
+        "| rule | P:D | suggested | mean | p99 | itl p99 | goodput | bytes across nodes | hit rate |" in text
+    )
     rows = [
         line for line in text.splitlines() if line.startswith("| aggregated") or line.startswith("| tandem")
     ]
     assert len(rows) == 2 and rows[1].split("|")[2].strip() == "1:1"
+    assert rows[1].split("|")[3].strip() == "1:1"  # two instances: the only split
+
+
+def test_a_run_measures_its_demand_and_sizes_the_fleet_with_the_coordinators_core(word_ids):
+    r = simulate_pd(_cfg("tandem_least_load"), arrivals(ROWS, 1.0), word_ids)
+    outputs = [row["output_length"] for row in ROWS]
+    assert r.generated == sum(outputs)
+    assert r.context_generated == pytest.approx(
+        sum(o * (row["input_length"] + o / 2) for o, row in zip(outputs, ROWS, strict=True))
+    )
+    assert 0 < r.prompt_computed <= sum(row["input_length"] for row in ROWS)
+    assert r.arrival_span_s == pytest.approx(11 * 0.150)
+    z = r.sizing
+    assert (z.prefill, z.decode) == (2, 2) and z.suggested_prefill + z.suggested_decode == 4
+    assert z.demand.output_tokens_s == pytest.approx(sum(outputs) / r.arrival_span_s)
+
+
+def test_the_suggestion_follows_the_demand():
+    """Prompt-heavy demand asks for prefill instances, output-heavy demand for decode instances."""
+    cfg = PdConfig(8, 4, "tandem_least_load", engine=EngineSpec(npu_blocks=16384))
+    prompts = PdResult(prefill=4, prompt_computed=200_000, generated=500, context_generated=500 * 2000.0)
+    prompts.arrival_span_s, prompts.queries, prompts.measured = 10.0, 10_000, 5
+    assert suggest(cfg, prompts).suggested_prefill >= 6
+    outputs = PdResult(prefill=4, prompt_computed=20_000, generated=50_000, context_generated=50_000 * 2000.0)
+    outputs.arrival_span_s, outputs.queries, outputs.measured = 10.0, 10_000, 5
+    assert suggest(cfg, outputs).suggested_prefill <= 2
 
 
 def test_cli_refuses_unknown_rules():

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from coordinator.app import build
+from coordinator.capacity import Limits, prefill_capacity
 from coordinator.config import CoordinatorConfig
 from coordinator.instances import InstanceTable
 from coordinator.services import RegistryService
@@ -212,5 +213,74 @@ async def test_busy_heartbeats_teach_the_latency_model_and_metrics_show_it(monke
         assert book.costs("i0").prefill > book.prior.prefill  # 4,000 tokens/s: slower than the prior's 10,000
         text = prometheus_client.generate_latest().decode()
         assert 'tandem_coordinator_step_cost_seconds{instance="i0",term="prefill"}' in text
+    finally:
+        await coordinator.app.server.stop(0)
+
+
+async def test_heartbeats_feed_the_pd_sizing_signal_on_getstats_and_metrics(monkeypatch):
+    monkeypatch.setenv("TANDEM_NO_BANNER", "1")
+    config = mesh_config(engines=1)
+    config["node_agents"] = []
+    config["coordinator"]["probe_instances"] = False
+    config["coordinator"]["sizing"] = {"window_s": 10}
+    coordinator = build(parse_mesh_config(config, "mesh.yaml"))
+    now = [0.0]
+    ledger = coordinator.picker.ledger
+    ledger.clock = lambda: now[0]
+    coordinator.registry.demand.clock = lambda: now[0]
+    await coordinator.app.start()
+    try:
+        async with grpc.aio.insecure_channel(config["coordinator"]["listen"]) as ch:
+            registry, admin = registry_pb2_grpc.RegistryStub(ch), admin_pb2_grpc.AdminStub(ch)
+            handoff = common_pb2.DISPATCH_CAPABILITY_HANDOFF
+            for iid, role in (("p0", common_pb2.ROLE_PREFILL), ("d0", common_pb2.ROLE_DECODE)):
+                await registry.Register(
+                    registry_pb2.RegisterRequest(
+                        instance=instance(instance_id=iid, role=role, dispatch_capability=handoff)
+                    )
+                )
+            (idle,) = (await admin.GetStats(admin_pb2.GetStatsRequest())).sizing
+            assert (idle.prefill_utilisation, idle.decode_utilisation) == (0, 0)
+            assert (idle.suggested_prefill_instances, idle.suggested_decode_instances) == (1, 1)
+
+            def beat(iid: str, prompt: int, generation: int) -> registry_pb2.HeartbeatRequest:
+                progress = common_pb2.RankProgress(
+                    dp_rank=0, prompt_tokens_total=prompt, generation_tokens_total=generation
+                )
+                load = common_pb2.InstanceLoad(running_requests=1, progress=[progress])
+                return registry_pb2.HeartbeatRequest(
+                    instance_id=iid, health=common_pb2.HEALTH_HEALTHY, load=load
+                )
+
+            call = registry.Heartbeat()  # one beat at a time: each is applied before the clock moves
+
+            async def send(b: registry_pb2.HeartbeatRequest) -> None:
+                await call.write(b)
+                assert (await call.read()).known
+
+            await send(beat("p0", 0, 0))  # baselines
+            await send(beat("d0", 0, 0))
+            for k in range(1, 11):  # 10 s: a 2,000-token prefill done each second on p0
+                ledger.commit("p0", 2000, 0, 2000, prompt_tokens=2000)
+                now[0] = float(k)
+                await send(beat("p0", 2000 * k, k))
+            await call.done_writing()
+        async with grpc.aio.insecure_channel(config["coordinator"]["listen"]) as ch:
+            (z,) = (await admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest())).sizing
+        assert z.model == "tandem-sim" and not z.aggregated
+        assert z.prefill_tokens_per_s == pytest.approx(2000)  # 20,000 tokens over the 10 s window
+        # over the capacity the busy seconds taught (2,000 tokens took a second: slower than the prior's 9,831/s)
+        learned = prefill_capacity(coordinator.picker.latency.costs("p0"), Limits())
+        assert learned < 8192 / (0.014 + 0.8192)
+        assert z.prefill_utilisation == pytest.approx(2000 / learned)
+        assert z.decode_utilisation == 0
+        assert (z.prefill_instances, z.decode_instances) == (1, 1)
+        text = prometheus_client.generate_latest().decode()
+        assert (
+            f'tandem_coordinator_pd_utilisation{{model="tandem-sim",role="prefill"}} {z.prefill_utilisation!r}'
+            in text
+        )
+        assert 'tandem_coordinator_pd_utilisation{model="tandem-sim",role="decode"} 0.0' in text
+        assert 'tandem_coordinator_pd_suggested_instances{model="tandem-sim",role="prefill"} 1.0' in text
     finally:
         await coordinator.app.server.stop(0)

@@ -246,3 +246,22 @@ def test_images_are_pinned_and_the_dockerfile_builds_every_package():
     wanted = {p.strip().strip('"').rstrip("*") for p in packages.split(",")}
     copied = set(re.findall(r"^COPY (\w+) \1$", (K8S / "Dockerfile").read_text(), re.M))
     assert wanted | {"protos", "envoy"} == copied
+
+
+def test_the_keda_example_scales_each_role_on_its_utilisation_gauge(mesh):
+    docs = list(yaml.safe_load_all((K8S / "autoscaling" / "keda-pd.yaml").read_text()))
+    models = {m.name for m in mesh.models}
+    roles = set()
+    for doc in docs:
+        assert (doc["apiVersion"], doc["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+        assert doc["spec"]["minReplicaCount"] >= 1  # a P/D model keeps one instance of each role
+        (trigger,) = doc["spec"]["triggers"]
+        assert (trigger["type"], trigger["metricType"]) == ("prometheus", "Value")
+        query = trigger["metadata"]["query"]
+        found = re.fullmatch(
+            r'sum\(tandem_coordinator_pd_utilisation\{model="([^"]+)", role="(prefill|decode)"\}\)', query
+        )
+        assert found and found.group(1) in models, query
+        roles.add(found.group(2))
+        assert 0 < float(trigger["metadata"]["threshold"]) <= 1
+    assert roles == {"prefill", "decode"}
