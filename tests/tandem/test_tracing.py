@@ -1,0 +1,44 @@
+"""`tandem.tracing`: off by default at no cost, the engines' OTEL_* environment, trace context in and out."""
+
+from __future__ import annotations
+
+from tandem import tracing
+from tandem.tracing import TracingConfig
+
+
+def test_off_by_default_installs_nothing_and_spans_are_a_shared_null_context():
+    assert not TracingConfig().enabled
+    assert tracing.setup(TracingConfig(), "tandem-test") is False
+    assert tracing.ENABLED is False
+    assert tracing.server_interceptor() is None
+    first, second = tracing.span("a"), tracing.span("b", None, {"k": 1})
+    assert first is second  # no allocation per span when off
+    with first as current:
+        assert current is None
+    assert tracing.traceparent() == ""
+    assert tracing.engine_env(TracingConfig()) == {}
+
+
+def test_engines_get_the_collector_in_the_standard_environment_and_simengine_reads_it_back():
+    config = TracingConfig(otlp_endpoint="otel.monitoring:4317", sample_ratio=0.25)
+    env = tracing.engine_env(config)
+    assert env[tracing.OTLP_TRACES_ENDPOINT] == "http://otel.monitoring:4317"
+    assert (
+        env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio" and env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
+    )
+    assert tracing.from_env(env) == config
+    assert tracing.from_env({}) is None
+
+
+def test_trace_context_from_headers_and_metadata():
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert tracing.context_of({}) is None and tracing.metadata_context(()) is None
+    for context in (
+        tracing.context_of({"traceparent": parent}),
+        tracing.metadata_context((("x-other", "1"), ("traceparent", parent))),
+    ):
+        from opentelemetry import trace
+
+        span_context = trace.get_current_span(context).get_span_context()
+        assert f"{span_context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
+        assert span_context.is_remote and span_context.trace_flags.sampled
