@@ -218,7 +218,7 @@ class Decider:
         late); None means the transport cannot rewrite the body, so P/D modes are refused. `authorization`: the
         request's Authorization header (its tenant). `trace`: the parent span's context Envoy sent (traced
         requests only; `tandem.tracing`)."""
-        if not tracing.ENABLED:
+        if not tracing.ENABLED or trace is None or trace is tracing.UNSAMPLED:  # nothing of it is recorded
             return await self._route(path, raw_body, ids, extend, authorization)
         attributes = {
             "http.route": path,

@@ -240,7 +240,8 @@ class EndpointPicker:
             return policy.pick(facts, cands), hashes
         with tracing.span("tandem.score", attributes={"tandem.policy": policy.name}) as current:
             chosen = policy.pick(facts, cands)
-            tracing.set_attributes(current, candidate_attributes(cands, chosen, request.prompt_tokens))
+            if current is not None:
+                tracing.set_attributes(current, candidate_attributes(cands, chosen, request.prompt_tokens))
         return chosen, hashes
 
     def _predict(self, policy: AsksFacts, leg: Leg, hashes: tuple[int, ...]) -> None:

@@ -78,7 +78,7 @@ class EngineServer:
                     {tracing.TRACEPARENT: request.headers.get(tracing.TRACEPARENT, "")}
                 )
                 attributes = {"gen_ai.request.id": request.headers.get("X-Request-Id", "")}
-                with tracing.span("llm_request", parent, attributes) as current:
+                with tracing.span("llm_request", parent, attributes, root=True) as current:
                     response = await handler(request)
                     tracing.set_attributes(current, {"http.response.status_code": response.status})
             else:

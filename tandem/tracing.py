@@ -71,7 +71,7 @@ class TracingConfig(BaseModel):
 def setup(config: TracingConfig | None, service_name: str, *, batch: bool = True) -> bool:
     """Installs this process's tracer provider (`service.name` = `service_name`) exporting to the collector;
     returns whether tracing is on. Does nothing when `config` names no collector."""
-    global ENABLED, _tracer
+    global ENABLED, _tracer, _current_span
     if config is None or not config.enabled:
         return False
     from opentelemetry import trace
@@ -88,8 +88,10 @@ def setup(config: TracingConfig | None, service_name: str, *, batch: bool = True
         assert config.ca_file is not None
         with open(config.ca_file, "rb") as f:
             credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+    # A 2 s bound per export (retries included): an unreachable collector drops spans, never holds a flush or an
+    # exit for long.
     exporter = OTLPSpanExporter(
-        endpoint=config.endpoint_url, insecure=not config.otlp_tls, credentials=credentials
+        endpoint=config.endpoint_url, insecure=not config.otlp_tls, credentials=credentials, timeout=2
     )
     provider = TracerProvider(
         resource=Resource.create({"service.name": service_name}),
@@ -102,6 +104,7 @@ def setup(config: TracingConfig | None, service_name: str, *, batch: bool = True
     provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     _tracer = provider.get_tracer("tandem")
+    _current_span = trace.get_current_span
     ENABLED = True
     log.info("tracing to %s as %s (sample ratio %g)", config.otlp_endpoint, service_name, config.sample_ratio)
     return True
@@ -151,14 +154,35 @@ def from_env(environ: Mapping[str, str]) -> TracingConfig | None:
     )
 
 
-def context_of(carrier: Mapping[str, str] | None) -> Any:
-    """The parent context a `traceparent` in `carrier` (headers or gRPC metadata, lower-case keys) names; None
-    when there is none (a span started with it begins a new trace)."""
-    if not carrier or TRACEPARENT not in carrier:
-        return None
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+#: `context_of`'s answer for a `traceparent` whose sampled flag is off: nothing under it is recorded.
+UNSAMPLED = object()
+_propagator: Any = None
 
-    return TraceContextTextMapPropagator().extract(carrier)
+
+def _sampled(value: str) -> bool:
+    """The sampled bit of a `traceparent` (`00-<trace id>-<span id>-<flags>`: bit 0 of the flags)."""
+    return len(value) >= 55 and value[-1] in "13579bdfBDF"
+
+
+def context_of(carrier: Mapping[str, str] | None) -> Any:
+    """The parent context a `traceparent` in `carrier` (headers or gRPC metadata, lower-case keys) names;
+    `UNSAMPLED` when its sampled flag is off (read without parsing the rest: the cost of a ratio-0 mesh); None when
+    there is none."""
+    value = carrier.get(TRACEPARENT) if carrier else None
+    if not value:
+        return None
+    if not _sampled(value):
+        return UNSAMPLED
+    return _w3c().extract(carrier)
+
+
+def _w3c() -> Any:
+    global _propagator
+    if _propagator is None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        _propagator = TraceContextTextMapPropagator()
+    return _propagator
 
 
 def metadata_context(metadata: Any) -> Any:
@@ -169,26 +193,35 @@ def metadata_context(metadata: Any) -> Any:
     return context_of(carrier)
 
 
-def traceparent() -> str:
-    """The current span's `traceparent` (to pass on); "" outside a sampled span."""
-    if not ENABLED:
-        return ""
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+_current_span: Any = None  # `opentelemetry.trace.get_current_span`, bound by `setup`
 
+
+def _recording() -> bool:
+    return _current_span().is_recording()
+
+
+def traceparent() -> str:
+    """The current span's `traceparent` (to pass on); "" outside a recorded span."""
+    if not ENABLED or not _recording():
+        return ""
     carrier: dict[str, str] = {}
-    TraceContextTextMapPropagator().inject(carrier)
+    _w3c().inject(carrier)
     return carrier.get(TRACEPARENT, "")
 
 
-_OFF = nullcontext()  # reusable: `span` returns it when tracing is off (no generator, no allocation)
+_OFF = nullcontext()  # reusable: `span` returns it when nothing is recorded (no generator, no allocation)
 
 
 def span(
-    name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None
+    name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None, root: bool = False
 ) -> AbstractContextManager:
     """A span named `name` as the current span, child of `parent` (a context from `context_of`) or of the current
-    span; yields the span (None when tracing is off, at the cost of one call)."""
-    if not ENABLED:
+    span; yields the span, or None when nothing is recorded: tracing off, an unsampled parent, or no parent and no
+    recorded current span (unless `root`: then a new trace, sampled by the ratio). So the ingress's sampling
+    decides for the whole request, and a request Envoy did not sample costs a check per step."""
+    if not ENABLED or parent is UNSAMPLED:
+        return _OFF
+    if parent is None and not root and not _recording():
         return _OFF
     return _tracer.start_as_current_span(name, context=parent, attributes=attributes)
 
@@ -221,7 +254,7 @@ def server_interceptor() -> Any:
             parent = metadata_context(handler_call_details.invocation_metadata)
 
             async def traced(request, context):
-                with span(f"rpc {method}", parent, {"rpc.system": "grpc", "rpc.method": method}):
+                with span(f"rpc {method}", parent, {"rpc.system": "grpc", "rpc.method": method}, root=True):
                     return await inner(request, context)
 
             return grpc.unary_unary_rpc_method_handler(

@@ -42,3 +42,36 @@ def test_trace_context_from_headers_and_metadata():
         span_context = trace.get_current_span(context).get_span_context()
         assert f"{span_context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
         assert span_context.is_remote and span_context.trace_flags.sampled
+
+
+def test_the_ingress_sampling_decides_an_unsampled_or_parentless_step_records_nothing(monkeypatch):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    # This process's tracer, without installing it globally (other tests run untraced).
+    monkeypatch.setattr(tracing, "ENABLED", True)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(tracing, "_current_span", trace.get_current_span)
+
+    unsampled = tracing.context_of({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"})
+    assert unsampled is tracing.UNSAMPLED
+    with tracing.span("under an unsampled ingress", unsampled) as current:
+        assert current is None
+    with tracing.span("no parent, not a root") as current:
+        assert current is None and tracing.traceparent() == ""
+    parent = tracing.context_of({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    with tracing.span("route", parent) as route:
+        assert route is not None
+        with tracing.span("child") as child:
+            assert child is not None
+            passed_on = tracing.traceparent()
+    assert passed_on.startswith("00-0af7651916cd43dd8448eb211c80319c-") and passed_on.endswith("-01")
+    names = {s.name: s for s in exported.get_finished_spans()}
+    assert set(names) == {"route", "child"}
+    assert names["child"].parent.span_id == names["route"].context.span_id
+    assert f"{names['route'].parent.span_id:016x}" == "b7ad6b7169203331"
