@@ -370,7 +370,12 @@ class EndpointPicker:
             policy = self.pair
             chosen = self._pair_prefill(pick, states)
         else:
-            chosen = self.policy.pick(pick.facts, self._candidates(states, pick.matches))
+            cands = self._candidates(states, pick.matches)
+            with tracing.span("tandem.score", attributes={"tandem.policy": self.policy.name}) as current:
+                chosen = self.policy.pick(pick.facts, cands)
+                if current is not None:
+                    attributes = candidate_attributes(cands, chosen, request.prompt_tokens)
+                    tracing.set_attributes(current, attributes)
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
         leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)
