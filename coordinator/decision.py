@@ -29,6 +29,7 @@ from coordinator.picker import EndpointPicker, Pick
 from coordinator.quotas import Admission, Quotas, RateLimited, output_bound
 from coordinator.relearn import RelearnWindow
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
+from coordinator.routing_quality import prediction_of
 from coordinator.tenants import ENGINE_PRIORITY, TenantTable, resolve_tier
 from coordinator.tickets import ABORTED, Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
@@ -326,6 +327,16 @@ class Decider:
             self.tickets.abort(ticket)
             raise
         instance = pick.target.instance.info
+        prediction = prediction_of(
+            pick.request.model,
+            instance.instance_id,
+            pick.target.match,
+            pick.request.prompt_tokens,
+            pick.predicted_ttft_s,
+            pick.request.stream,
+        )
+        ticket.prediction = prediction
+        metrics.routing_predicted(prediction)
         if pick.planned is not None:
             metrics.pd_choice(pick.request.model, pick.planned, self.picker.pair)
         self.counters.routed += 1

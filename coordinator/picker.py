@@ -73,6 +73,9 @@ class Pick:
     #: Joint P/D choice (`scheduler.pd_choice`): the pair it chose (`planned.prefill` None: served by the decode
     #: instance alone, `mode` then AGGREGATED); None under `separate`.
     planned: PairChoice | None = None
+    #: The target's predicted time to first token when it was chosen (`predicted_ttft_s`; the pair's under a
+    #: joint choice): the routing-quality SLI compares it with what Envoy saw (`coordinator.routing_quality`).
+    predicted_ttft_s: float = 0.0
 
     @property
     def facts(self) -> RequestFacts:
@@ -279,7 +282,9 @@ class EndpointPicker:
             )
             self._predict(policy, leg, hashes)
             fallback = self._fallback(states, chosen.state) if self.fallbacks else None
-            return Pick(request, request_id, mode, leg, fallback=fallback)
+            picked = Pick(request, request_id, mode, leg, fallback=fallback)
+            picked.predicted_ttft_s = predicted_ttft_s(chosen, isl)
+            return picked
         if mode == PdMode.HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
                 400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
@@ -295,7 +300,9 @@ class EndpointPicker:
         decode, hashes = await self._choose(policy, request_id, request, decodes)
         leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n), decode.match)
         self._predict(policy, leg, hashes)
-        return Pick(request, request_id, mode, leg)
+        picked = Pick(request, request_id, mode, leg)
+        picked.predicted_ttft_s = predicted_ttft_s(decode, isl)
+        return picked
 
     async def _decide_pair(
         self, request: OpenAIRequest, request_id: str, mode: PdMode, decodes: list[InstanceState]
@@ -319,10 +326,14 @@ class EndpointPicker:
             matched = min(d.match.matched_tokens, isl)
             leg = Leg(d.state, self._commit(d.state, isl - matched, out, isl + out, isl * request.n), d.match)
             self._predict(self.pair, leg, hashes)
-            return Pick(request, request_id, PdMode.AGGREGATED, leg, matches, hashes, planned=choice)
+            picked = Pick(request, request_id, PdMode.AGGREGATED, leg, matches, hashes, planned=choice)
+            picked.predicted_ttft_s = choice.ttft_s
+            return picked
         leg = Leg(d.state, self._commit(d.state, 0, out, isl + out, isl * request.n), d.match)
         self._predict(self.pair, leg, hashes)
-        return Pick(request, request_id, mode, leg, matches or {}, hashes, planned=choice)
+        picked = Pick(request, request_id, mode, leg, matches or {}, hashes, planned=choice)
+        picked.predicted_ttft_s = choice.ttft_s
+        return picked
 
     def _pair_prefill(self, pick: Pick, states: list[InstanceState]) -> Candidate:
         """The prefill instance of a joint pick: the planned one on the first attempt (still routable), else the
