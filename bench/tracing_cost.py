@@ -22,7 +22,7 @@ def _measure(mode: str, endpoint: str, decisions: int) -> float:
     """µs of CPU per decision in this process (run in a child, one mode each)."""
     from coordinator.decision import new_request_ids
     from tandem import tracing
-    from tandem.tracing import TracingConfig
+    from tandem.tracing_config import TracingConfig
     from tests.coordinator.test_ext_proc import decider_for
     from tests.helpers import make_picker
 

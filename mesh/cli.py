@@ -256,7 +256,7 @@ def _agent(
     from node_agent.app import run
     from node_agent.launch import LaunchError, Placement
     from tandem.process import run_component
-    from tandem.tracing import engine_env as tracing_env
+    from tandem.tracing_config import engine_env as tracing_env
 
     try:
         env = Placement.from_env()

@@ -17,7 +17,7 @@ from coordinator.config import CoordinatorConfig, PdMode
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
 from tandem.netaddr import Address, is_wildcard, split_host_port
-from tandem.tracing import TracingConfig
+from tandem.tracing_config import TracingConfig
 
 __all__ = ["ConfigError", "MeshConfig", "load_mesh_config", "parse_mesh_config"]
 

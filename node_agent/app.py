@@ -36,7 +36,7 @@ RULES = {"/tandem.v1.NodeAgent/": ("operator",)}
 
 def with_otlp_traces(spec):
     """vLLM (and simengine, which mirrors it) exports its spans only when told `--otlp-traces-endpoint`: the
-    collector the mesh's `tracing` put in the engine's environment (`tandem.tracing.engine_env`)."""
+    collector the mesh's `tracing` put in the engine's environment (`tandem.tracing_config.engine_env`)."""
     endpoint = spec.env.get(OTLP_TRACES_ENDPOINT)
     if not endpoint or "--otlp-traces-endpoint" in spec.argv:
         return spec

@@ -1,6 +1,6 @@
 """Distributed tracing (OpenTelemetry), off by default and then free.
 
-The mesh file's `tracing` section (`TracingConfig`) names an OTLP/gRPC collector; `setup` installs an SDK tracer
+The mesh file's `tracing` section (`tandem.tracing_config.TracingConfig`) names an OTLP/gRPC collector; `setup` installs an SDK tracer
 provider exporting to it for this process, with its `service.name`. Nothing is installed when the section names no
 collector: `ENABLED` stays False and every instrumented path in the components tests that one module attribute
 before doing anything else, so a mesh without tracing pays one attribute read per request (docs/operations.md,
@@ -17,11 +17,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from tandem.netaddr import Address
 
 log = logging.getLogger(__name__)
 
@@ -30,47 +27,34 @@ ENABLED = False
 _tracer: Any = None
 
 TRACEPARENT = "traceparent"
-#: The standard variable naming the collector of an engine process (`engine_env`).
+#: The standard variable naming the collector of an engine process (`tracing_config.engine_env`).
 OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 
 
-class TracingConfig(BaseModel):
-    """The mesh file's `tracing` section: where every component, and the engines the agents launch, send spans."""
+@dataclass(frozen=True, slots=True)
+class Collector:
+    """Where this process sends spans: `tandem.tracing_config.TracingConfig` (the mesh file) or `from_env` (an
+    engine) give one. Plain data, so that an engine importing this module pulls in no config machinery."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    otlp_endpoint: Address | None = None
-    """`host:port` of an OTLP/gRPC collector (plain gRPC unless `otlp_tls`). Unset: tracing is off, at no cost."""
-    sample_ratio: float = Field(default=0.01, ge=0.0, le=1.0)
-    """Share of new traces recorded (Envoy decides at the ingress; a request whose `traceparent` says sampled is
-    recorded whatever the ratio: the client asked for it). 0 records only those."""
+    otlp_endpoint: str  # host:port
+    sample_ratio: float
     otlp_tls: bool = False
-    """Send to the collector over TLS, trusting `ca_file`."""
     ca_file: str | None = None
-    """PEM bundle of the CA that signed the collector's certificate; required with `otlp_tls`."""
-
-    @model_validator(mode="after")
-    def _tls_needs_ca(self) -> TracingConfig:
-        if self.otlp_tls and not self.ca_file:
-            raise ValueError("ca_file: required with otlp_tls: true (the CA of the collector's certificate)")
-        if self.ca_file and not self.otlp_tls:
-            raise ValueError("ca_file: only used with otlp_tls: true")
-        return self
 
     @property
     def enabled(self) -> bool:
-        return self.otlp_endpoint is not None
+        return bool(self.otlp_endpoint)
 
     @property
     def endpoint_url(self) -> str:
         """The collector as the OTLP exporters' `endpoint` (`http://` or `https://host:port`)."""
-        scheme = "https" if self.otlp_tls else "http"
-        return f"{scheme}://{self.otlp_endpoint}"
+        return f"{'https' if self.otlp_tls else 'http'}://{self.otlp_endpoint}"
 
 
-def setup(config: TracingConfig | None, service_name: str, *, batch: bool = True) -> bool:
+def setup(config: Any, service_name: str, *, batch: bool = True) -> bool:
     """Installs this process's tracer provider (`service.name` = `service_name`) exporting to the collector;
-    returns whether tracing is on. Does nothing when `config` names no collector."""
+    returns whether tracing is on. `config`: a `Collector` or the mesh file's `TracingConfig` (same fields); does
+    nothing when it names no collector."""
     global ENABLED, _tracer, _current_span
     if config is None or not config.enabled:
         return False
@@ -120,25 +104,7 @@ def shutdown(timeout_s: float = 1.0) -> None:
             flush(int(timeout_s * 1000))
 
 
-def engine_env(config: TracingConfig | None) -> dict[str, str]:
-    """The standard OpenTelemetry environment for an engine process (vLLM and simengine read it; each names its
-    own `service.name`); empty when tracing is off. vLLM also needs `--otlp-traces-endpoint` (its launcher adds
-    it)."""
-    if config is None or not config.enabled:
-        return {}
-    env = {
-        OTLP_TRACES_ENDPOINT: config.endpoint_url,
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
-        "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "false" if config.otlp_tls else "true",
-        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-        "OTEL_TRACES_SAMPLER_ARG": f"{config.sample_ratio:g}",
-    }
-    if config.ca_file:
-        env["OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"] = config.ca_file
-    return env
-
-
-def from_env(environ: Mapping[str, str]) -> TracingConfig | None:
+def from_env(environ: Mapping[str, str]) -> Collector | None:
     """The collector an engine was given by `engine_env` (None when none): simengine's way in."""
     url = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not url:
@@ -146,7 +112,7 @@ def from_env(environ: Mapping[str, str]) -> TracingConfig | None:
     tls = url.startswith("https://")
     host_port = url.split("://", 1)[-1].rstrip("/")
     ratio = environ.get("OTEL_TRACES_SAMPLER_ARG", "1")
-    return TracingConfig(
+    return Collector(
         otlp_endpoint=host_port,
         sample_ratio=float(ratio),
         otlp_tls=tls,

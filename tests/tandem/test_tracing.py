@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem import tracing
-from tandem.tracing import TracingConfig
+from tandem.tracing_config import TracingConfig, engine_env
 
 
 def test_off_by_default_installs_nothing_and_spans_are_a_shared_null_context():
@@ -16,17 +16,19 @@ def test_off_by_default_installs_nothing_and_spans_are_a_shared_null_context():
     with first as current:
         assert current is None
     assert tracing.traceparent() == ""
-    assert tracing.engine_env(TracingConfig()) == {}
+    assert engine_env(TracingConfig()) == {}
 
 
 def test_engines_get_the_collector_in_the_standard_environment_and_simengine_reads_it_back():
     config = TracingConfig(otlp_endpoint="otel.monitoring:4317", sample_ratio=0.25)
-    env = tracing.engine_env(config)
+    env = engine_env(config)
     assert env[tracing.OTLP_TRACES_ENDPOINT] == "http://otel.monitoring:4317"
     assert (
         env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio" and env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
     )
-    assert tracing.from_env(env) == config
+    collector = tracing.from_env(env)
+    assert collector is not None and collector.endpoint_url == config.endpoint_url
+    assert collector.sample_ratio == 0.25 and not collector.otlp_tls
     assert tracing.from_env({}) is None
 
 
