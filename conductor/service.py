@@ -13,6 +13,7 @@ from conductor.convert import batch_from_pb, match_to_pb, stats_to_pb
 from conductor.event_owners import EventOwners
 from conductor.ingest import IngestCore
 from conductor.match import match
+from tandem import tracing
 from tandem.tls import agent_node, caller_var
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
@@ -127,7 +128,6 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
 
     async def Match(self, request_iterator, context: grpc.aio.ServicerContext):
         budget = self.config.match_deadline_ms / 1000.0
-        index = self.core.index
         async for req in request_iterator:
             deadline = time.perf_counter() + budget
             if req.HasField("deadline"):
@@ -137,19 +137,36 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                     self.expired_matches += 1
                     continue
                 deadline = min(deadline, time.perf_counter() + left)
-            result = match(
-                index,
-                req.model,
-                token_ids=req.token_ids,
-                block_hashes=req.block_hashes,
-                block_size=req.block_size,
-                candidates=req.candidate_instance_ids,
-                deadline=deadline,
-            )
+            if tracing.ENABLED and req.traceparent:
+                parent = tracing.context_of({tracing.TRACEPARENT: req.traceparent})
+                with tracing.span("conductor.match", parent, {"tandem.model": req.model}) as current:
+                    result = self._match(req, deadline)
+                    tracing.set_attributes(
+                        current,
+                        {
+                            "tandem.blocks": len(req.block_hashes)
+                            or len(req.token_ids) // max(1, req.block_size),
+                            "tandem.instances_hit": len(result.instances),
+                            "tandem.truncated": result.truncated,
+                        },
+                    )
+            else:
+                result = self._match(req, deadline)
             self.matches += 1
             if result.truncated:
                 self.truncated_matches += 1
             yield match_to_pb(req.request_id, result)
+
+    def _match(self, req: conductor_pb2.MatchRequest, deadline: float):
+        return match(
+            self.core.index,
+            req.model,
+            token_ids=req.token_ids,
+            block_hashes=req.block_hashes,
+            block_size=req.block_size,
+            candidates=req.candidate_instance_ids,
+            deadline=deadline,
+        )
 
     async def GetIndexStats(self, request, context: grpc.aio.ServicerContext):
         return stats_to_pb(self.core.stats())

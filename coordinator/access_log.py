@@ -17,6 +17,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from coordinator import metrics
+from coordinator.routing_quality import Prediction, actual_ttft_s
 from coordinator.tickets import CLIENT_GONE, COMPLETED, FAILED, TicketTable
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
                 for entry in message.http_logs.log_entry:
                     ticket = ticket_of(entry)
                     if ticket:
+                        self._observe(ticket, entry)
                         self.tickets.end(ticket, outcome_of(entry), entry.response.response_body_bytes)
                     else:
                         self.tickets.ended_without_ticket(entry.request.request_id)
@@ -76,3 +78,17 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
             metrics.ALS_STREAMS.dec()
             self.tickets.stream_closed()
         return als_pb2.StreamAccessLogsResponse()
+
+    def _observe(self, ticket_id: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        """The routing-quality SLI of a streamed request that completed: its actual TTFT against the prediction."""
+        ticket = self.tickets.get(ticket_id)
+        prediction = ticket.prediction if ticket is not None else None
+        if not isinstance(prediction, Prediction) or not prediction.streamed:
+            return
+        common = entry.common_properties
+        actual = actual_ttft_s(
+            common.time_to_first_upstream_tx_byte.ToNanoseconds() / 1e9,
+            common.time_to_first_upstream_rx_byte.ToNanoseconds() / 1e9,
+        )
+        if actual is not None and outcome_of(entry) == COMPLETED:
+            metrics.routing_actual_ttft(prediction, actual)

@@ -84,7 +84,9 @@ def load_from_proto(msg: common_pb2.InstanceLoad) -> EngineLoad:
     """An `InstanceLoad` message as a dataclass."""
     sampled = msg.sampled_at.ToNanoseconds() / 1e9 if msg.HasField("sampled_at") else 0.0
     progress = {p.dp_rank: (p.prompt_tokens_total, p.generation_tokens_total) for p in msg.progress}
-    return EngineLoad(msg.running_requests, msg.waiting_requests, msg.kv_cache_usage, sampled, progress)
+    load = EngineLoad(msg.running_requests, msg.waiting_requests, msg.kv_cache_usage, sampled, progress)
+    load.prefix_hits = {p.dp_rank: p.prefix_cache_hits_total for p in msg.progress}
+    return load
 
 
 def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:

@@ -30,11 +30,13 @@ from coordinator.picker import EndpointPicker, Pick
 from coordinator.quotas import Admission, Quotas, RateLimited, output_bound
 from coordinator.relearn import RelearnWindow
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
+from coordinator.routing_quality import prediction_of
 from coordinator.tenants import ENGINE_PRIORITY, TenantTable, resolve_tier
 from coordinator.tickets import ABORTED, Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
 from coordinator.understanding import ROUTED_PATHS
+from tandem import tracing
 
 log = logging.getLogger(__name__)
 
@@ -213,22 +215,53 @@ class Decider:
         ids: RequestIds,
         extend: Callable[[], Awaitable[None]] | None = None,
         authorization: str | None = None,
+        trace=None,
     ) -> Routed | Answer:
         """Decides where a POST to a routed `path` goes (its API key already checked by `without_body`). `extend`
         is awaited as a handoff prefill leg begins (the transport extends Envoy's timer if the reply turns out
         late); None means the transport cannot rewrite the body, so P/D modes are refused. `authorization`: the
-        request's Authorization header (its tenant)."""
+        request's Authorization header (its tenant). `trace`: the parent span's context Envoy sent (traced
+        requests only; `tandem.tracing`)."""
+        if not tracing.ENABLED or trace is None or trace is tracing.UNSAMPLED:  # nothing of it is recorded
+            return await self._route(path, raw_body, ids, extend, authorization)
+        attributes = {
+            "http.route": path,
+            "tandem.request_id": ids.engine,
+            "tandem.client_request_id": ids.echo,
+        }
+        with tracing.span("tandem.route", trace, attributes) as current:
+            outcome = await self._route(path, raw_body, ids, extend, authorization)
+            if isinstance(outcome, Routed):
+                tracing.set_attributes(current, {"tandem.destination": outcome.destination})
+            else:
+                tracing.set_attributes(current, {"http.response.status_code": outcome.status})
+            return outcome
+
+    async def _route(
+        self,
+        path: str,
+        raw_body: bytes,
+        ids: RequestIds,
+        extend: Callable[[], Awaitable[None]] | None,
+        authorization: str | None,
+    ) -> Routed | Answer:
         start = time.perf_counter()
         api = ROUTED_PATHS[path]
         request_id = ids.engine
         try:
             picker = self.picker
-            if len(raw_body) > self.inline_bytes and self._pool is not None:
-                request = await self._pool.understand(
-                    api, raw_body, picker.instances.known_models, picker.max_model_len
+            pooled = len(raw_body) > self.inline_bytes and self._pool is not None
+            with tracing.span("tandem.understand", attributes={"tandem.worker_process": pooled}) as current:
+                if pooled:
+                    assert self._pool is not None
+                    request = await self._pool.understand(
+                        api, raw_body, picker.instances.known_models, picker.max_model_len
+                    )
+                else:
+                    request = picker.understand(api, raw_body)
+                tracing.set_attributes(
+                    current, {"tandem.model": request.model, "tandem.prompt_tokens": request.prompt_tokens}
                 )
-            else:
-                request = picker.understand(api, raw_body)
             tenant = self.tenants.tenant_of(authorization)
             tier = resolve_tier(request.service_tier, tenant)
             if self.engine_priority:
@@ -236,7 +269,8 @@ class Decider:
             admission = None
             if tenant is not None:  # 429 past its quota, before any work is committed
                 try:
-                    admission = self.quotas.admit(tenant, request.prompt_tokens, request.max_tokens)
+                    with tracing.span("tandem.admission", attributes={"tandem.tenant": tenant.name}):
+                        admission = self.quotas.admit(tenant, request.prompt_tokens, request.max_tokens)
                 except RateLimited:
                     self.counters.tier(tenant.name, tier)[1] += 1
                     raise
@@ -244,7 +278,15 @@ class Decider:
             try:
                 if self.flow is not None:  # may wait for capacity, or refuse (429 `rejected: saturated`)
                     passed = await self.flow.admit(request, tier, tenant.name if tenant is not None else "")
-                pick = await self._decide(api, raw_body, request_id, request)
+                with tracing.span("tandem.pick") as current:
+                    pick = await self._decide(api, raw_body, request_id, request)
+                    tracing.set_attributes(
+                        current,
+                        {
+                            "tandem.mode": str(pick.mode),
+                            "tandem.chosen": pick.target.instance.info.instance_id,
+                        },
+                    )
             except BaseException:
                 if admission is not None:  # never served: nothing used
                     self.quotas.settle(admission, served=False)
@@ -275,7 +317,8 @@ class Decider:
             if pick.mode == PdMode.AGGREGATED and self.engine_priority and extend is not None:
                 body = json.dumps(request.body).encode()  # with the tier's `priority`
             elif pick.mode == PdMode.TRIGGER:
-                attempt, body = self.trigger.open(pick, path)
+                with tracing.span("tandem.trigger_open"):
+                    attempt, body = self.trigger.open(pick, path)
                 registry = self.trigger.registry
                 ticket.on_end = lambda: registry.close(attempt)  # the request's end ends the attempt
                 engine_request_id = attempt.engine_request_id
@@ -283,7 +326,8 @@ class Decider:
                 assert extend is not None
                 await extend()  # Envoy waits for this reply while the prefill leg runs
                 try:
-                    body = await self.handoff.run(pick, path)
+                    with tracing.span("tandem.handoff"):
+                        body = await self.handoff.run(pick, path)
                 except OpenAIError as exc:
                     self.tickets.abort(ticket)
                     return self.reject(exc)
@@ -291,6 +335,16 @@ class Decider:
             self.tickets.abort(ticket)
             raise
         instance = pick.target.instance.info
+        prediction = prediction_of(
+            pick.request.model,
+            instance.instance_id,
+            pick.target.match,
+            pick.request.prompt_tokens,
+            pick.predicted_ttft_s,
+            pick.request.stream,
+        )
+        ticket.prediction = prediction
+        metrics.routing_predicted(prediction)
         if pick.planned is not None:
             metrics.pd_choice(pick.request.model, pick.planned, self.picker.pair)
         self.counters.routed += 1

@@ -24,6 +24,7 @@ from google.rpc import code_pb2, status_pb2
 from coordinator.access_log import TICKET_KEY
 from coordinator.decision import Answer, Decider, Routed, new_request_ids
 from coordinator.request_ids import CLIENT_ID_HEADER
+from tandem import tracing
 from tandem.logs import request_id_var
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,10 @@ class Authorization(ea_grpc.AuthorizationServicer):
         if answer is not None:
             return denied(answer)
         body = http.raw_body or http.body.encode()
-        outcome = await self.decider.route(path, body, ids, authorization=headers.get("authorization"))
+        trace = tracing.metadata_context(context.invocation_metadata()) if tracing.ENABLED else None
+        outcome = await self.decider.route(
+            path, body, ids, authorization=headers.get("authorization"), trace=trace
+        )
         if isinstance(outcome, Answer):
             return denied(outcome)
         # Returned, not written: past this point the reply is grpc's to deliver. Should Envoy drop it (the client

@@ -40,6 +40,7 @@ from google.protobuf.duration_pb2 import Duration
 from coordinator.access_log import METADATA_NAMESPACE, TICKET_KEY
 from coordinator.decision import Answer, Decider, Routed, new_request_ids
 from coordinator.errors import OpenAIError
+from tandem import tracing
 from tandem.logs import request_id_var
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             extension = asyncio.create_task(extend_later())
 
         try:
-            outcome = await self.decider.route(path, message.request_body.body, ids, extend, authorization)
+            trace = tracing.metadata_context(context.invocation_metadata()) if tracing.ENABLED else None
+            outcome = await self.decider.route(
+                path, message.request_body.body, ids, extend, authorization, trace
+            )
         except BaseException:
             if extension is not None:
                 extension.cancel()

@@ -22,6 +22,7 @@ from coordinator.callback_checks import handoff_params_problem
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceInfo
 from coordinator.picker import EndpointPicker, Pick
+from tandem import tracing
 from tandem.netaddr import split_host_port
 
 if TYPE_CHECKING:
@@ -93,11 +94,16 @@ class HandoffRunner:
     ) -> Any:
         """POSTs a prefill leg; returns the answer's `kv_transfer_params` (checked when `want_params`)."""
         url = f"http://{address}{path}"
+        headers = {"X-Request-Id": request_id}
+        if tracing.ENABLED:  # the prefill engine's span is a child of this leg's
+            parent = tracing.traceparent()
+            if parent:
+                headers[tracing.TRACEPARENT] = parent
         client = self._client()
         import aiohttp  # loaded by `_client`
 
         try:
-            async with client.post(url, json=body, headers={"X-Request-Id": request_id}) as resp:
+            async with client.post(url, json=body, headers=headers) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise PrefillFailed(f"HTTP {resp.status}: {text[:200]}")
@@ -126,7 +132,8 @@ class HandoffRunner:
             tried.add(iid)
             needs_params = want_params and leg.instance.info.kv_connector not in STORAGE_CONNECTORS
             try:
-                params = await self.send(leg.instance.info.address, path, body, request_id, needs_params)
+                with tracing.span("tandem.prefill_leg", attributes={"tandem.instance": iid}):
+                    params = await self.send(leg.instance.info.address, path, body, request_id, needs_params)
                 if want_params and isinstance(params, dict):
                     self.check_params(params, leg.instance.info, pick.request.prompt_tokens)
             except PrefillFailed as exc:

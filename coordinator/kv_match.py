@@ -20,6 +20,7 @@ import grpc
 
 from coordinator import metrics
 from coordinator.kv_facts import NO_MATCH, KvMatch
+from tandem import tracing
 from tandem.chain_hash import chain_hashes
 from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
@@ -120,6 +121,8 @@ class ConductorMatcher:
             request_id=wire_id, model=model, candidate_instance_ids=candidates
         )
         request.deadline.FromNanoseconds(int((time.time() + self.timeout_s) * 1e9))
+        if tracing.ENABLED:
+            request.traceparent = tracing.traceparent()
         if block_size:
             request.block_hashes.extend(hashes if hashes is not None else chain_hashes(token_ids, block_size))
             request.block_size = block_size

@@ -282,3 +282,77 @@ def pd_choice(model: str, choice: PairChoice, pair: PdJoint | None) -> None:
     if choice.transfer_tokens and pair is not None:
         scope = "cross_node" if choice.cross_node else "intra_node"
         KV_TRANSFER_BYTES.labels(scope).inc(choice.transfer_tokens * pair.params.kv_bytes_per_token)
+
+
+# -- routing quality (`coordinator.routing_quality`) ---------------------------------------------------------------
+
+_HIT_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+PREDICTED_HIT_TOKENS = Histogram(
+    "tandem_coordinator_predicted_request_hit_tokens",
+    "Prompt tokens the coordinator expected cached on the chosen instance, per cache tier, per routed request",
+    ["model", "instance", "tier"],
+    buckets=_HIT_BUCKETS,
+)
+PREDICTED_HIT_RATIO = Histogram(
+    "tandem_coordinator_predicted_hit_ratio",
+    "Share of the prompt the coordinator expected cached on the chosen instance (all tiers), per routed request",
+    ["model", "instance"],
+    buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+)
+PREDICTED_TTFT_SECONDS = Histogram(
+    "tandem_coordinator_predicted_ttft_seconds",
+    "The chosen instance's predicted time to first token, per routed request",
+    ["model", "instance"],
+    buckets=_TTFT_BUCKETS,
+)
+ACTUAL_TTFT_SECONDS = Histogram(
+    "tandem_coordinator_actual_ttft_seconds",
+    "Time from sending a streamed request to the engine to its first byte (Envoy's timing), per request",
+    ["model", "instance"],
+    buckets=_TTFT_BUCKETS,
+)
+TTFT_ERROR_RATIO = Histogram(
+    "tandem_coordinator_ttft_error_ratio",
+    "Actual over predicted TTFT of a streamed request (1: exact; above: slower than predicted)",
+    ["model", "instance"],
+    buckets=(0.25, 0.5, 0.8, 1.25, 2.0, 4.0, 10.0),
+)
+
+
+PREDICTED_HIT_TOKENS_TOTAL = Counter(
+    "tandem_coordinator_predicted_hit_tokens",
+    "Prompt tokens the coordinator expected cached on the instances it routed to (all tiers)",
+    ["model", "instance"],
+)
+DELIVERED_HIT_TOKENS_TOTAL = Counter(
+    "tandem_coordinator_delivered_hit_tokens",
+    "Prompt tokens the engines found in their prefix cache (vllm:prefix_cache_hits_total, from heartbeats)",
+    ["model", "instance"],
+)
+
+
+def routing_delivered(model: str, instance_id: str, tokens: int) -> None:
+    """Counts prompt tokens an engine reported found cached since its previous heartbeat."""
+    DELIVERED_HIT_TOKENS_TOTAL.labels(model, instance_id).inc(tokens)
+
+
+def routing_predicted(prediction) -> None:
+    """Observes one routed request's prediction (`routing_quality.Prediction`)."""
+    model, instance = prediction.model, prediction.instance_id
+    for tier, tokens in zip(("npu", "cpu", "disk"), prediction.hit_tokens, strict=True):
+        PREDICTED_HIT_TOKENS.labels(model, instance, tier).observe(tokens)
+    if prediction.prompt_tokens:
+        PREDICTED_HIT_RATIO.labels(model, instance).observe(
+            sum(prediction.hit_tokens) / prediction.prompt_tokens
+        )
+    PREDICTED_TTFT_SECONDS.labels(model, instance).observe(prediction.ttft_s)
+    PREDICTED_HIT_TOKENS_TOTAL.labels(model, instance).inc(sum(prediction.hit_tokens))
+
+
+def routing_actual_ttft(prediction, actual_s: float) -> None:
+    """Observes a streamed request's actual TTFT and its ratio to the prediction."""
+    model, instance = prediction.model, prediction.instance_id
+    ACTUAL_TTFT_SECONDS.labels(model, instance).observe(actual_s)
+    if prediction.ttft_s > 0:
+        TTFT_ERROR_RATIO.labels(model, instance).observe(actual_s / prediction.ttft_s)

@@ -31,6 +31,7 @@ from coordinator.scheduling.pd_joint import PairChoice, PdJoint
 from coordinator.scheduling.pd_joint import create as create_pair
 from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from coordinator.workload import Commitment, WorkloadLedger
+from tandem import tracing
 from tandem.chain_hash import chain_hashes
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class Pick:
     #: Joint P/D choice (`scheduler.pd_choice`): the pair it chose (`planned.prefill` None: served by the decode
     #: instance alone, `mode` then AGGREGATED); None under `separate`.
     planned: PairChoice | None = None
+    #: The target's predicted time to first token when it was chosen (`predicted_ttft_s`; the pair's under a
+    #: joint choice): the routing-quality SLI compares it with what Envoy saw (`coordinator.routing_quality`).
+    predicted_ttft_s: float = 0.0
 
     @property
     def facts(self) -> RequestFacts:
@@ -101,6 +105,35 @@ def candidates(
         for s in states
         for iid in (s.info.instance_id,)
     ]
+
+
+#: Predicts a candidate's TTFT for traces and SLIs: the joint P/D policy's formula (`latency.ttft_s` on the
+#: candidate's queue, uncached tokens and learned step costs) with its default parameters.
+_TTFT = PdJoint()
+
+
+def predicted_ttft_s(candidate: Candidate, isl: int) -> float:
+    """The chosen instance's predicted time to first token for a prompt of `isl` tokens."""
+    return _TTFT.prefill_s(candidate, isl)
+
+
+def candidate_attributes(cands: Sequence[Candidate], chosen: Candidate | None, isl: int) -> dict[str, object]:
+    """Each candidate's score components as span attributes (`tandem.candidate.<id>.<component>`) and the
+    choice: what an operator reads to see why a request went where it went."""
+    out: dict[str, object] = {}
+    for c in cands:
+        key = f"tandem.candidate.{c.instance_id}"
+        m = c.match
+        out[f"{key}.matched_npu_tokens"] = m.npu_blocks * m.block_size
+        out[f"{key}.matched_cpu_tokens"] = m.cpu_blocks * m.block_size
+        out[f"{key}.matched_disk_tokens"] = m.disk_blocks * m.block_size
+        out[f"{key}.prefill_tokens"] = c.prefill_tokens
+        out[f"{key}.decode_tokens"] = c.decode_tokens
+        out[f"{key}.inflight"] = c.inflight
+        out[f"{key}.predicted_ttft_s"] = predicted_ttft_s(c, isl)
+    if chosen is not None:
+        out["tandem.chosen"] = chosen.instance_id
+    return out
 
 
 class EndpointPicker:
@@ -192,7 +225,8 @@ class EndpointPicker:
         hashes = tuple(chain_hashes(prompt, block_size)) if block_size else ()
         matches = None
         if self.matcher is not None:
-            matches = await self.matcher.match(request_id, request.model, prompt, ids, block_size, hashes)
+            with tracing.span("tandem.conductor_match", attributes={"tandem.candidates": len(ids)}):
+                matches = await self.matcher.match(request_id, request.model, prompt, ids, block_size, hashes)
         if self.predicted is not None and hashes and policy.uses_predictions:
             matches = self.predicted.overlay(hashes, matches, ids, block_size)
         return matches, hashes
@@ -204,7 +238,14 @@ class EndpointPicker:
         chain hashes the facts were asked with."""
         matches, hashes = await self._matches(policy, request_id, request, states)
         facts = RequestFacts(request_id, request.model, request.prompt_tokens, request.max_tokens, hashes)
-        return policy.pick(facts, self._candidates(states, matches)), hashes
+        cands = self._candidates(states, matches)
+        if not tracing.ENABLED:
+            return policy.pick(facts, cands), hashes
+        with tracing.span("tandem.score", attributes={"tandem.policy": policy.name}) as current:
+            chosen = policy.pick(facts, cands)
+            if current is not None:
+                tracing.set_attributes(current, candidate_attributes(cands, chosen, request.prompt_tokens))
+        return chosen, hashes
 
     def _predict(self, policy: AsksFacts, leg: Leg, hashes: tuple[int, ...]) -> None:
         if self.predicted is not None and hashes and policy.uses_predictions:
@@ -241,7 +282,9 @@ class EndpointPicker:
             )
             self._predict(policy, leg, hashes)
             fallback = self._fallback(states, chosen.state) if self.fallbacks else None
-            return Pick(request, request_id, mode, leg, fallback=fallback)
+            picked = Pick(request, request_id, mode, leg, fallback=fallback)
+            picked.predicted_ttft_s = predicted_ttft_s(chosen, isl)
+            return picked
         if mode == PdMode.HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
                 400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
@@ -257,7 +300,9 @@ class EndpointPicker:
         decode, hashes = await self._choose(policy, request_id, request, decodes)
         leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n), decode.match)
         self._predict(policy, leg, hashes)
-        return Pick(request, request_id, mode, leg)
+        picked = Pick(request, request_id, mode, leg)
+        picked.predicted_ttft_s = predicted_ttft_s(decode, isl)
+        return picked
 
     async def _decide_pair(
         self, request: OpenAIRequest, request_id: str, mode: PdMode, decodes: list[InstanceState]
@@ -268,18 +313,27 @@ class EndpointPicker:
         isl, out = request.prompt_tokens, request.max_tokens
         prefills = self._routable(request.model, "prefill")
         matches, hashes = await self._matches(self.pair, request_id, request, [*prefills, *decodes])
-        choice = self.pair.choose(
-            isl, self._candidates(prefills, matches), self._candidates(decodes, matches)
-        )
+        p_cands, d_cands = self._candidates(prefills, matches), self._candidates(decodes, matches)
+        with tracing.span("tandem.score", attributes={"tandem.policy": "pd_joint"}) as current:
+            choice = self.pair.choose(isl, p_cands, d_cands)
+            if current is not None:
+                attributes = candidate_attributes(p_cands, choice.prefill, isl)
+                attributes.update(candidate_attributes(d_cands, choice.decode, isl))
+                attributes["tandem.predicted_ttft_s"] = choice.ttft_s
+                tracing.set_attributes(current, attributes)
         d = choice.decode
         if choice.prefill is None:
             matched = min(d.match.matched_tokens, isl)
             leg = Leg(d.state, self._commit(d.state, isl - matched, out, isl + out, isl * request.n), d.match)
             self._predict(self.pair, leg, hashes)
-            return Pick(request, request_id, PdMode.AGGREGATED, leg, matches, hashes, planned=choice)
+            picked = Pick(request, request_id, PdMode.AGGREGATED, leg, matches, hashes, planned=choice)
+            picked.predicted_ttft_s = choice.ttft_s
+            return picked
         leg = Leg(d.state, self._commit(d.state, 0, out, isl + out, isl * request.n), d.match)
         self._predict(self.pair, leg, hashes)
-        return Pick(request, request_id, mode, leg, matches or {}, hashes, planned=choice)
+        picked = Pick(request, request_id, mode, leg, matches or {}, hashes, planned=choice)
+        picked.predicted_ttft_s = choice.ttft_s
+        return picked
 
     def _pair_prefill(self, pick: Pick, states: list[InstanceState]) -> Candidate:
         """The prefill instance of a joint pick: the planned one on the first attempt (still routable), else the
@@ -327,7 +381,12 @@ class EndpointPicker:
             policy = self.pair
             chosen = self._pair_prefill(pick, states)
         else:
-            chosen = self.policy.pick(pick.facts, self._candidates(states, pick.matches))
+            cands = self._candidates(states, pick.matches)
+            with tracing.span("tandem.score", attributes={"tandem.policy": self.policy.name}) as current:
+                chosen = self.policy.pick(pick.facts, cands)
+                if current is not None:
+                    attributes = candidate_attributes(cands, chosen, request.prompt_tokens)
+                    tracing.set_attributes(current, attributes)
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
         leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)

@@ -26,6 +26,7 @@ from coordinator.latency import LatencyBook
 from coordinator.ownership import ownership_problem
 from coordinator.picker import EndpointPicker
 from coordinator.redact import redact
+from coordinator.routing_quality import DeliveredHits
 from coordinator.shared_state import LocalState, SharedState
 from coordinator.trigger import CallbackRefused, TriggerCoordinator
 from coordinator.workload import WorkloadLedger
@@ -75,6 +76,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self.ledger = ledger  # follows each instance's progress counters, as heartbeats carry them
         self.latency = latency  # learns each instance's step costs from what the ledger saw done
         self.demand = demand  # each model's recent demand, for the P:D sizing signal (`coordinator.capacity`)
+        self.delivered = DeliveredHits()  # the engines' prefix-cache hits, for the routing-quality SLIs
         self.shared = shared or LocalState()  # where other replicas learn what this one hears
         self.tls_on = tls_on
         self.book = book or NodeBook()
@@ -176,10 +178,18 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                     self.shared.reported(beat.instance_id, health, load)
                     if self.on_load is not None:
                         self.on_load()
+                    if load.prefix_hits:
+                        self._delivered(beat.instance_id, load.prefix_hits)
                 yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=known)
         finally:
             self.open_streams -= 1
             publish_instance_counts(self.instances)
+
+    def _delivered(self, instance_id: str, hits) -> None:
+        tokens = self.delivered.delta(instance_id, hits)
+        state = self.instances.get(instance_id)
+        if tokens and state is not None:
+            metrics.routing_delivered(state.info.model, instance_id, tokens)
 
     async def Deregister(
         self, request: registry_pb2.DeregisterRequest, context

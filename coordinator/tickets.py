@@ -64,6 +64,8 @@ class Ticket:
     #: Run once with the ticket when it ends, after the release, whatever the reason (the tenant quota's settle).
     on_release: Callable[[Ticket], object] | None = None
     response_bytes: int | None = None  # the response body's size as Envoy logged it; None when not logged
+    #: What the coordinator expected of its choice (`coordinator.routing_quality.Prediction`), for the SLIs.
+    prediction: object | None = None
 
     @property
     def routed(self) -> bool:

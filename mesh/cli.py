@@ -212,7 +212,7 @@ def _coordinator(path: str, replica: int | None, certs: str | None) -> int:
         return mesh.model_copy(update={"coordinator": section})
 
     def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
-        return run(mesh, load, component_tls(mesh, "coordinator", certs))
+        return _traced(mesh, "tandem-coordinator", run(mesh, load, component_tls(mesh, "coordinator", certs)))
 
     return run_component("coordinator", lambda: load(path), main)
 
@@ -228,7 +228,7 @@ def _conductor(
     from tandem.process import run_component
     from tandem.tls import TlsFiles
 
-    def load() -> tuple[ConductorConfig, TlsFiles | None, dict[str, frozenset[str]]]:
+    def load() -> tuple[ConductorConfig, TlsFiles | None, dict[str, frozenset[str]], MeshConfig]:
         mesh = load_mesh_config(path) if path else parse_mesh_config({}, "<defaults>")
         tls = component_tls(mesh, "conductor", certs)
         config = mesh.conductor
@@ -240,9 +240,12 @@ def _conductor(
         overrides = {k: v for k, v in (("listen", listen), ("metrics_listen", metrics_listen)) if v}
         if overrides:
             config = validate(ConductorConfig, {**config.model_dump(), **overrides}, "command line")
-        return config, tls, dict(mesh.node_book.owners)  # who may send KV events for which instance
+        # who may send KV events for which instance
+        return config, tls, dict(mesh.node_book.owners), mesh
 
-    return run_component("conductor", load, lambda loaded: run(*loaded))
+    return run_component(
+        "conductor", load, lambda loaded: _traced(loaded[3], "tandem-conductor", run(*loaded[:3]))
+    )
 
 
 def _agent(
@@ -253,6 +256,7 @@ def _agent(
     from node_agent.app import run
     from node_agent.launch import LaunchError, Placement
     from tandem.process import run_component
+    from tandem.tracing_config import engine_env as tracing_env
 
     try:
         env = Placement.from_env()
@@ -272,9 +276,24 @@ def _agent(
         tls = component_tls(mesh, f"agent/{config.node_id}", certs)
         # Engines get a copy of the CA bundle in the runtime directory, not the certificate directory's path.
         engine_env = engine_tls_env(mesh, certs, into=Path(config.runtime_path))
-        return run(config, coordinator, conductor, mesh.path, placement, tls, engine_env)
+        engine_env.update(tracing_env(mesh.tracing))
+        return _traced(
+            mesh, "tandem-agent", run(config, coordinator, conductor, mesh.path, placement, tls, engine_env)
+        )
 
     return run_component("node-agent", lambda: load_mesh_config(path), main)
+
+
+async def _traced(mesh: MeshConfig, service_name: str, main: Coroutine[Any, Any, None]) -> None:
+    """Runs a component's `main` with this process's tracer (`tracing` in the mesh file; nothing when off),
+    flushing its last spans as it ends."""
+    from tandem import tracing
+
+    tracing.setup(mesh.tracing, service_name)
+    try:
+        await main
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

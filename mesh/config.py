@@ -17,6 +17,7 @@ from coordinator.config import CoordinatorConfig, PdMode
 from node_agent.config import NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
 from tandem.netaddr import Address, is_wildcard, split_host_port
+from tandem.tracing_config import TracingConfig
 
 __all__ = ["ConfigError", "MeshConfig", "load_mesh_config", "parse_mesh_config"]
 
@@ -197,6 +198,8 @@ class MeshConfig(BaseModel):
     models: list[ModelConfig] = []
     node_agents: list[NodeAgentConfig] = []
     up: UpConfig = UpConfig()
+    tracing: TracingConfig = TracingConfig()
+    """OpenTelemetry traces of every component and engine (docs/operations.md, "Tracing"); off by default."""
     path: str = Field(default="", exclude=True)
     """The file the config came from (set by `load_mesh_config`)."""
 

@@ -125,6 +125,18 @@ def cluster_type(endpoints: list[tuple[str, int]]) -> str:
     return "STATIC" if all(is_ip(host) for host, _ in endpoints) else "STRICT_DNS"
 
 
+def _tracing(mesh: MeshConfig) -> dict[str, object] | None:
+    """The ingress tracer's settings (None: tracing off, no tracer and no collector cluster in Envoy)."""
+    tracing = mesh.tracing
+    if tracing.otlp_endpoint is None:
+        return None
+    return {
+        "address": split_host_port(tracing.otlp_endpoint),
+        "percent": round(tracing.sample_ratio * 100, 6),
+        "ca_file": str(Path(tracing.ca_file).resolve()) if tracing.ca_file else None,
+    }
+
+
 def _retry_policy(engines_cluster: str) -> dict[str, object]:
     """The engines route's retry policy (explained in the template), repeated by the per-model routes."""
     policy: dict[str, object] = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 1}
@@ -258,6 +270,7 @@ def render_envoy_config(
             "access_log_flush": _seconds(envoy.access_log_flush_ms / 1000),
         },
         decision=mesh.decision_path,
+        tracing=_tracing(mesh),
         routed_paths=list(ROUTED_PATHS),
         metadata_namespace=METADATA_NAMESPACE,
         # Where the decision filter leaves the ticket in dynamic metadata (ext_authz: under its own name).

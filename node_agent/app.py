@@ -24,6 +24,7 @@ from node_agent.systemd import SystemdNotify
 from tandem.config_file import ConfigError
 from tandem.grpc_server import GrpcApp
 from tandem.tls import TlsFiles
+from tandem.tracing import OTLP_TRACES_ENDPOINT
 from tandem.v1 import node_agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,15 @@ log = logging.getLogger(__name__)
 #: Who may call what on a node agent (`tandem.authz`; checked when the mesh runs with TLS): the operator only,
 #: directly or through Envoy's control listener.
 RULES = {"/tandem.v1.NodeAgent/": ("operator",)}
+
+
+def with_otlp_traces(spec):
+    """vLLM (and simengine, which mirrors it) exports its spans only when told `--otlp-traces-endpoint`: the
+    collector the mesh's `tracing` put in the engine's environment (`tandem.tracing_config.engine_env`)."""
+    endpoint = spec.env.get(OTLP_TRACES_ENDPOINT)
+    if not endpoint or "--otlp-traces-endpoint" in spec.argv:
+        return spec
+    return dataclasses.replace(spec, argv=[*spec.argv, "--otlp-traces-endpoint", endpoint])
 
 
 class NodeAgent:
@@ -62,6 +72,7 @@ class NodeAgent:
                 sup.on_load = self._load_reported
                 if engine_env and sup.engine is not None:  # e.g. the CA bundle for callbacks over HTTPS
                     sup.spec = dataclasses.replace(sup.spec, env={**engine_env, **sup.spec.env})
+                    sup.spec = with_otlp_traces(sup.spec)
         self._relayed: set[str] = set()
         self._tasks: list[asyncio.Task] = []
 

@@ -101,7 +101,12 @@ def heartbeat_message(sup: EngineSupervisor) -> registry_pb2.HeartbeatRequest:
             kv_cache_usage=sup.load.kv_cache_usage,
             sampled_at=sampled if sup.load.sampled_at else None,
             progress=[
-                common_pb2.RankProgress(dp_rank=rank, prompt_tokens_total=p, generation_tokens_total=g)
+                common_pb2.RankProgress(
+                    dp_rank=rank,
+                    prompt_tokens_total=p,
+                    generation_tokens_total=g,
+                    prefix_cache_hits_total=sup.load.prefix_hits.get(rank, 0),
+                )
                 for rank, (p, g) in sup.load.progress.items()
             ],
         ),

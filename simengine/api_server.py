@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 import uuid
@@ -20,9 +21,12 @@ from simengine.metrics import EngineMetrics
 from simengine.openai_serving import VLLM_VERSION, OpenAIServing
 from simengine.protocol import APIError, json_response
 from simengine.sampler import Sampler
+from tandem import tracing
 from tandem.tokenizer import load_tokenizer, prompt_token_ids
 
 log = logging.getLogger("simengine")
+#: The routes spanned when tracing is on (vLLM's `llm_request` span).
+_TRACED_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
 #: The vLLM version simengine answers as (its wire behaviour is checked against it by tests/vllm).
 VERSION = VLLM_VERSION
 _SCALE_OUT_DISABLED = (
@@ -55,6 +59,9 @@ class EngineServer:
             cfg.enable_request_id_headers,
         )
         self.created = int(time.time())
+        if cfg.otlp_traces_endpoint:  # as vLLM: the flag turns tracing on, the OTEL_* environment tunes it
+            traced = tracing.from_env({**os.environ, tracing.OTLP_TRACES_ENDPOINT: cfg.otlp_traces_endpoint})
+            tracing.setup(traced, os.environ.get("OTEL_SERVICE_NAME", "simengine"))
         self.app = self._build_app()
 
     @web.middleware
@@ -66,7 +73,16 @@ class EngineServer:
             rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             request["request_id"] = rid
         try:
-            response = await handler(request)
+            if tracing.ENABLED and request.path in _TRACED_PATHS:
+                parent = tracing.context_of(
+                    {tracing.TRACEPARENT: request.headers.get(tracing.TRACEPARENT, "")}
+                )
+                attributes = {"gen_ai.request.id": request.headers.get("X-Request-Id", "")}
+                with tracing.span("llm_request", parent, attributes, root=True) as current:
+                    response = await handler(request)
+                    tracing.set_attributes(current, {"http.response.status_code": response.status})
+            else:
+                response = await handler(request)
         except web.HTTPException as e:
             if e.status not in (404, 405):
                 raise

@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--trust-remote-code", action="store_true", help="accepted and ignored")
     v.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer every response with X-Request-Id (the request's, else a new one), as vLLM")  # fmt: skip
+    v.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export a span per request to this OTLP/gRPC collector (URL), as vLLM")  # fmt: skip
     v.add_argument("--enable-scale-out", action="store_true",
                    help="serve the render endpoints (vLLM answers them 403 without this flag)")  # fmt: skip
     v.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
@@ -209,6 +211,7 @@ class EngineConfig:
     fault_seed: int
     enable_request_id_headers: bool = False
     enable_scale_out: bool = False
+    otlp_traces_endpoint: str | None = None
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
 
@@ -268,6 +271,7 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
         fault_seed=a.fault_seed,
         enable_request_id_headers=a.enable_request_id_headers,
         enable_scale_out=a.enable_scale_out,
+        otlp_traces_endpoint=a.otlp_traces_endpoint,
         gpu_memory_utilization=a.gpu_memory_utilization,
         scheduling_policy=a.scheduling_policy,
     )

@@ -81,6 +81,8 @@ class Request:
     num_external_tokens: int = 0
     #: Trigger mode: the request id the metaserver callback names (internal id minus its 9-char suffix).
     pd_callback_id: str = ""
+    #: The W3C trace context of the request's span when traced ("" otherwise): its metaserver callback joins it.
+    traceparent: str = ""
     num_preemptions: int = 0
     #: When the scheduler first gave the request compute (monotonic; 0 until then): ends its queue time.
     scheduled_time: float = 0.0

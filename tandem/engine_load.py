@@ -23,6 +23,8 @@ class EngineLoad:
     #: KV blocks one rank can hold (`num_gpu_blocks` + `num_cpu_blocks` of `vllm:cache_config_info`, the largest
     #: over ranks); 0 when the engine does not say.
     kv_blocks: int = 0
+    #: Per DP rank, the cumulative `vllm:prefix_cache_hits_total` (prompt tokens found cached); empty when absent.
+    prefix_hits: dict[int, int] = field(default_factory=dict)
 
 
 def parse_load(text: str) -> EngineLoad:
@@ -39,6 +41,9 @@ def parse_load(text: str) -> EngineLoad:
                 rank = _rank(sample.labels.get("engine", "0"))
                 into = prompt if name == _COUNTERS[0] else generation
                 into[rank] = into.get(rank, 0) + int(sample.value)
+            elif name == _HITS:
+                rank = _rank(sample.labels.get("engine", "0"))
+                load.prefix_hits[rank] = load.prefix_hits.get(rank, 0) + int(sample.value)
             elif name == "vllm:num_requests_running":
                 load.running += int(sample.value)
             elif sample.name == "vllm:num_requests_waiting":
@@ -56,6 +61,7 @@ def parse_load(text: str) -> EngineLoad:
 
 
 _COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+_HITS = "vllm:prefix_cache_hits_total"
 
 
 def _count(label: str | None) -> int:

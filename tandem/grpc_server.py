@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from tandem import tracing
 from tandem.authz import AuthzInterceptor, Rules
 from tandem.banner import print_banner
 from tandem.metrics import start_metrics_server
@@ -51,7 +52,10 @@ class GrpcApp:
         self.metrics_listen = metrics_listen
         self.grace = grace
         self.tls = tls
-        interceptors = [AuthzInterceptor(rules or {}, tls.revoked)] if tls is not None else []
+        interceptors: list[Any] = [AuthzInterceptor(rules or {}, tls.revoked)] if tls is not None else []
+        traced = tracing.server_interceptor()  # None unless the mesh file's `tracing` names a collector
+        if traced is not None:
+            interceptors.insert(0, traced)
         self.server = grpc.aio.server(
             options=options or [("grpc.so_reuseport", 0)], interceptors=interceptors
         )

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -410,3 +411,58 @@ def assert_envoy_accepts(mesh, tmp_path: Path) -> None:
         [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+class OtlpReceiver:
+    """A small OTLP/gRPC trace collector (the real `TraceService/Export` of `opentelemetry-proto`) keeping every
+    span it receives, with its process's `service.name`: what the tracing tests read traces from."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        receiver = self
+        self.spans: list[dict[str, Any]] = []
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                receiver._keep(request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+
+    def _keep(self, request) -> None:
+        for resource_spans in request.resource_spans:
+            service = next(
+                (a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"),
+                "",
+            )
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    attributes = {}
+                    for a in span.attributes:
+                        value = a.value
+                        kind = value.WhichOneof("value")
+                        attributes[a.key] = getattr(value, kind) if kind else None
+                    self.spans.append(
+                        {
+                            "service": service,
+                            "name": span.name,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent_id": span.parent_span_id.hex(),
+                            "attributes": attributes,
+                        }
+                    )
+
+    def trace(self, trace_id: str) -> list[dict[str, Any]]:
+        return [s for s in list(self.spans) if s["trace_id"] == trace_id]
+
+    def start(self) -> OtlpReceiver:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop(0)

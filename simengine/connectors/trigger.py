@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from simengine.connectors.handoff import HandoffConnector
+from tandem import tracing
 
 if TYPE_CHECKING:
     from simengine.config import EngineConfig
@@ -53,6 +54,8 @@ class TriggerConnector(HandoffConnector):
         if params.get("metaserver"):
             request.needs_remote_kv = True
             request.pd_callback_id = callback_id
+            if tracing.ENABLED:  # the callback leaves from the engine's loop, outside the request's context
+                request.traceparent = tracing.traceparent()
             return
         super()._expect_kv(request, params, callback_id)
 
@@ -90,7 +93,7 @@ class TriggerConnector(HandoffConnector):
             if not self.cfg.fault_drop_callbacks:
                 copies = 2 if self.cfg.fault_duplicate_callbacks else 1
                 for _ in range(copies):
-                    self._spawn(self._post_callback(params["metaserver"], body, fut))
+                    self._spawn(self._post_callback(params["metaserver"], body, fut, req.traceparent))
             tokens = await asyncio.wait_for(asyncio.shield(fut), self.cfg.kv_transfer_timeout)
             if not req.is_finished:
                 self._done(req, True, tokens)
@@ -107,13 +110,14 @@ class TriggerConnector(HandoffConnector):
         finally:
             self._expected.pop(callback_id, None)
 
-    async def _post_callback(self, url: str, body: dict, fut: asyncio.Future) -> None:
+    async def _post_callback(self, url: str, body: dict, fut: asyncio.Future, traceparent: str = "") -> None:
         last = ""
         for attempt in range(_CALLBACK_TRIES):
             self.metrics.callbacks_sent.inc()
             try:
                 assert self._session is not None  # opened in start()
-                async with self._session.post(url, json=body) as resp:
+                headers = {tracing.TRACEPARENT: traceparent} if traceparent else None  # joins the trace
+                async with self._session.post(url, json=body, headers=headers) as resp:
                     if resp.status < 300:
                         return
                     last = f"HTTP {resp.status}: {(await resp.text())[:200]}"

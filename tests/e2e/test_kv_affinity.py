@@ -107,6 +107,40 @@ def test_shared_prefix_follows_the_cache_and_unrelated_requests_spread(mesh):
     assert min(served.values()) >= 2, served  # unrelated work is spread over both engines
 
 
+def test_routing_quality_slis_compare_predicted_and_delivered_hits_and_ttft(mesh):
+    """The coordinator's predicted hits on the holder of a cached prefix, the hits its engine reports (from its
+    counters, via heartbeats), and a streamed request's actual TTFT next to the predicted one."""
+    complete(mesh, SHARED + " Warm the cache?")
+    mesh.wait_for(lambda: grpc_match(mesh, SHARED).get("instances"), 10, "the conductor to index the prompt")
+    holder = grpc_match(mesh, SHARED)["instances"][0]["instance_id"]
+    labels = {"model": "tandem-sim", "instance": holder}
+    predicted = mesh.coordinator_metric("tandem_coordinator_predicted_hit_tokens_total", **labels)
+    delivered = mesh.coordinator_metric("tandem_coordinator_delivered_hit_tokens_total", **labels)
+    measured = mesh.coordinator_metric("tandem_coordinator_actual_ttft_seconds_count", **labels)
+    payload = {"model": "tandem-sim", "prompt": SHARED + " Streamed?", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", mesh.http + "/v1/completions", json=payload, timeout=30) as reply:
+        assert reply.status_code == 200
+        reply.read()
+    assert (
+        mesh.coordinator_metric("tandem_coordinator_predicted_hit_tokens_total", **labels) >= predicted + 100
+    )
+    assert mesh.coordinator_metric("tandem_coordinator_predicted_ttft_seconds_count", **labels) >= 1
+    mesh.wait_for(
+        lambda: (
+            mesh.coordinator_metric("tandem_coordinator_delivered_hit_tokens_total", **labels)
+            >= delivered + 100
+        ),
+        10,
+        "the engine's prefix-cache hits to reach the coordinator",
+    )
+    mesh.wait_for(
+        lambda: mesh.coordinator_metric("tandem_coordinator_actual_ttft_seconds_count", **labels) > measured,
+        10,
+        "Envoy's log entry of the streamed request",
+    )
+    assert mesh.coordinator_metric("tandem_coordinator_ttft_error_ratio_count", **labels) >= 1
+
+
 def conductor_pids(mesh) -> list[int]:
     return [
         p

@@ -95,6 +95,13 @@ def test_default_config_loads():
             {"coordinator": {"tenants": [{"name": "a", "keys": ["k"]}, {"name": "a", "keys": ["j"]}]}},
             "coordinator.tenants: ",
         ),
+        ({"tracing": {"otlp_endpoint": "collector:4317", "sample_ratio": 1.5}}, "tracing.sample_ratio: "),
+        ({"tracing": {"otlp_endpoint": "collector"}}, "tracing.otlp_endpoint: "),
+        (
+            {"tracing": {"otlp_endpoint": "c:4317", "otlp_tls": True}},
+            "tracing: ca_file: required with otlp_tls",
+        ),
+        ({"tracing": {"endpoint": "c:4317"}}, "tracing.endpoint: unknown key"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(data, message):
@@ -170,3 +177,11 @@ def test_replicas_on_different_hosts_bind_listen_and_are_reached_at_their_addres
     assert mesh.registry_address == "envoy.tandem.svc:9000"  # replicas: agents report through Envoy
     assert mesh.conductor_match_address == "conductor-0.conductor:9200"  # one conductor: matched directly
     assert mesh.conductor.replica_config(0).listen == "0.0.0.0:9200"
+
+
+def test_tracing_is_off_by_default_and_names_its_collector():
+    assert not parse_mesh_config({}, "mesh.yaml").tracing.enabled
+    tracing = parse_mesh_config(
+        {"tracing": {"otlp_endpoint": "otel.monitoring:4317", "sample_ratio": 0.5}}, "mesh.yaml"
+    ).tracing
+    assert tracing.enabled and tracing.endpoint_url == "http://otel.monitoring:4317"

@@ -336,3 +336,32 @@ def test_the_decision_timeouts_outlast_the_admission_queue():
     assert ext_proc["typed_config"]["message_timeout"] == "30s"
     off = parse_mesh_config({})
     assert off.decision_timeout_s == 5.0
+
+
+def test_tracing_adds_the_opentelemetry_tracer_and_its_collector_only_when_configured(tmp_path):
+    mesh = load_mesh_config(ROOT / "configs/default.yaml")
+    config = build_envoy_config(mesh, DESCRIPTOR)
+    assert "tracing" not in hcm_of(config["static_resources"]["listeners"][0])
+    assert all(c["name"] != "otel_collector" for c in config["static_resources"]["clusters"])
+
+    ca = tmp_path / "collector-ca.pem"
+    ca.write_text("")
+    for tracing in (
+        {"otlp_endpoint": "127.0.0.1:4317", "sample_ratio": 0.25},
+        {"otlp_endpoint": "otel.monitoring:4317", "sample_ratio": 1, "otlp_tls": True, "ca_file": str(ca)},
+    ):
+        traced = mesh.model_copy(update={"tracing": parse_mesh_config({"tracing": tracing}, "m").tracing})
+        config = build_envoy_config(traced, DESCRIPTOR)
+        hcm = hcm_of(config["static_resources"]["listeners"][0])
+        assert hcm["tracing"]["random_sampling"]["value"] == tracing["sample_ratio"] * 100
+        provider = hcm["tracing"]["provider"]
+        assert provider["name"] == "envoy.tracers.opentelemetry"
+        assert provider["typed_config"]["service_name"] == "envoy"
+        (collector,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "otel_collector"]
+        assert ("transport_socket" in collector) == bool(tracing.get("otlp_tls"))
+        # Only the ingress is traced: the control and callback listeners have no tracer.
+        assert all(
+            "tracing" not in hcm_of(listener) for listener in config["static_resources"]["listeners"][1:]
+        )
+        if not tracing.get("otlp_tls"):  # Envoy reads the CA file at start: validated with a plain collector
+            assert_envoy_accepts(traced, tmp_path)

@@ -35,3 +35,13 @@ def test_kv_capacity_from_the_cache_config_info():
     )
     assert parse_load(text).kv_blocks == 1500
     assert parse_load("").kv_blocks == 0
+
+
+def test_prefix_cache_hits_per_rank():
+    text = (
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 32.0\n'
+    )
+    assert parse_load(text).prefix_hits == {0: 640, 1: 32}
+    assert parse_load("").prefix_hits == {}
