@@ -34,11 +34,11 @@ import aiohttp
 import yaml
 
 from bench.decision_only import Registrar, start_null
-from bench.harness import free_ports, http_ok, mesh_config, wait_until
+from bench.harness import free_ports, mesh_config, wait_until
 from bench.peers import PEERS, start_peer, version
 from bench.replay import percentile
 from mesh.config import parse_mesh_config
-from mesh.envoy import write_envoy_config
+from mesh.envoy import admin_get, write_envoy_config
 from mesh.up import Mesh, envoy_binary
 from tandem.protogen import DESCRIPTOR
 from tandem.version import __version__
@@ -215,13 +215,14 @@ class Bench:
 
     def _ext_proc_envoy(self) -> tuple[str, int]:
         """A second Envoy in front of the same coordinator, deciding with ext_proc; its URL and pid."""
-        ports = free_ports(4)
+        ports = free_ports(3)
+        admin = self.workdir / "envoy-ext-proc-admin.sock"
         data = yaml.safe_load(yaml.safe_dump(self.config))
         data["envoy"].update(
             http_listen=f"127.0.0.1:{ports[0]}",
             grpc_listen=f"127.0.0.1:{ports[1]}",
-            admin_socket=str(self.workdir / "envoy-ext-proc-admin.sock"),
-            callback_listen=f"127.0.0.1:{ports[3]}",
+            admin_socket=str(admin),
+            callback_listen=f"127.0.0.1:{ports[2]}",
             base_id=ports[0],
             decision="ext_proc",
         )
@@ -229,7 +230,8 @@ class Bench:
         argv = [envoy_binary(), "-c", str(path), "--base-id", str(ports[0]), "--log-level", "error"]
         proc = subprocess.Popen([*argv, "--concurrency", "1"])
         self.others.append(proc)
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{ports[2]}/ready"), 30, "the ext_proc Envoy ready", 0.1)
+        ready = lambda: admin.exists() and admin_get(admin, "/ready")[0] == 200  # noqa: E731
+        wait_until(ready, 30, "the ext_proc Envoy ready", 0.1, ignore=(OSError,))
         return f"http://127.0.0.1:{ports[0]}/v1/completions", proc.pid
 
     def start(self) -> list[Path_]:
