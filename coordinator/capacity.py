@@ -97,8 +97,9 @@ class Sizing:
 
 
 def prefill_capacity(costs: StepCosts, limits: Limits) -> float:
-    """Prompt tokens per second one instance computes with full chunks."""
-    return limits.budget / (costs.step + costs.prefill * limits.budget)
+    """Prompt tokens per second one instance computes with full chunks (inf while its learned costs are zero)."""
+    seconds = costs.step + costs.prefill * limits.budget
+    return limits.budget / seconds if seconds > 0 else math.inf
 
 
 def decode_batch_limit(engine: Engine, context: float, limits: Limits) -> int:
@@ -115,7 +116,8 @@ def decode_batch_limit(engine: Engine, context: float, limits: Limits) -> int:
 def decode_capacity(engine: Engine, context: float, limits: Limits) -> float:
     """Output tokens per second one instance generates at its largest batch (`decode_batch_limit`)."""
     batch = decode_batch_limit(engine, context, limits)
-    return batch / engine.costs.step_s(batch, context)
+    seconds = engine.costs.step_s(batch, context)
+    return batch / seconds if seconds > 0 else math.inf
 
 
 def implied_batch(costs: StepCosts, tokens_s: float, context: float) -> float:

@@ -40,6 +40,16 @@ def test_capacities_per_instance():
     assert decode_capacity(Engine("decode", COSTS), 1000, LIMITS) == pytest.approx(100 / 0.3)
 
 
+def test_zero_learned_costs_read_as_unbounded_capacity_not_an_error():
+    # A fit that has learned nothing yet (every cost zero) must not break /metrics: no capacity bound, utilisation 0.
+    zero = StepCosts(step=0.0, prefill=0.0, decode=0.0, context=0.0)
+    assert prefill_capacity(zero, LIMITS) == math.inf
+    assert decode_capacity(Engine("decode", zero), 1000, LIMITS) == math.inf
+    busy = Demand(prefill_tokens_s=1000, output_tokens_s=100, mean_context=1000)
+    sized = size("m", busy, [Engine("prefill", zero), Engine("decode", zero)], LIMITS)
+    assert (sized.prefill_utilisation, sized.decode_utilisation) == (0, 0)
+
+
 def test_the_decode_batch_is_bounded_by_kv_blocks_and_by_the_itl_target():
     # 50,000 tokens of KV hold 50 sequences of 1,000: 50 / (0.1 + 50 * 0.002) = 250 tokens/s
     small = Engine("decode", COSTS, kv_tokens=50_000)
