@@ -27,7 +27,7 @@ from coordinator.kv_match import ConductorMatcher
 from coordinator.latency import LatencyBook
 from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts
-from coordinator.scheduling.pd_joint import PairChoice, PdJoint
+from coordinator.scheduling.pd_joint import PairChoice, PdJoint, prefill_s
 from coordinator.scheduling.pd_joint import create as create_pair
 from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from coordinator.workload import Commitment, WorkloadLedger
@@ -107,16 +107,6 @@ def candidates(
     ]
 
 
-#: Predicts a candidate's TTFT for traces and SLIs: the joint P/D policy's formula (`latency.ttft_s` on the
-#: candidate's queue, uncached tokens and learned step costs) with its default parameters.
-_TTFT = PdJoint()
-
-
-def predicted_ttft_s(candidate: Candidate, isl: int) -> float:
-    """The chosen instance's predicted time to first token for a prompt of `isl` tokens."""
-    return _TTFT.prefill_s(candidate, isl)
-
-
 def candidate_attributes(cands: Sequence[Candidate], chosen: Candidate | None, isl: int) -> dict[str, object]:
     """Each candidate's score components as span attributes (`tandem.candidate.<id>.<component>`) and the
     choice: what an operator reads to see why a request went where it went."""
@@ -130,7 +120,7 @@ def candidate_attributes(cands: Sequence[Candidate], chosen: Candidate | None, i
         out[f"{key}.prefill_tokens"] = c.prefill_tokens
         out[f"{key}.decode_tokens"] = c.decode_tokens
         out[f"{key}.inflight"] = c.inflight
-        out[f"{key}.predicted_ttft_s"] = predicted_ttft_s(c, isl)
+        out[f"{key}.predicted_ttft_s"] = prefill_s(c, isl)
     if chosen is not None:
         out["tandem.chosen"] = chosen.instance_id
     return out
@@ -283,7 +273,7 @@ class EndpointPicker:
             self._predict(policy, leg, hashes)
             fallback = self._fallback(states, chosen.state) if self.fallbacks else None
             picked = Pick(request, request_id, mode, leg, fallback=fallback)
-            picked.predicted_ttft_s = predicted_ttft_s(chosen, isl)
+            picked.predicted_ttft_s = prefill_s(chosen, isl)
             return picked
         if mode == PdMode.HANDOFF and len(request.prompts) > 1:
             raise OpenAIError(
@@ -301,7 +291,7 @@ class EndpointPicker:
         leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n), decode.match)
         self._predict(policy, leg, hashes)
         picked = Pick(request, request_id, mode, leg)
-        picked.predicted_ttft_s = predicted_ttft_s(decode, isl)
+        picked.predicted_ttft_s = prefill_s(decode, isl)
         return picked
 
     async def _decide_pair(

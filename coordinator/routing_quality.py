@@ -3,7 +3,7 @@ what happened.
 
 At the decision (`Decider`) a routed request's `Prediction` is kept on its ticket: the prompt tokens the
 coordinator expected cached on the chosen instance, per cache tier (the conductor's facts with the predicted cache
-merged in), and the chosen instance's predicted time to first token (`picker.predicted_ttft_s`). When Envoy's
+merged in), and the chosen instance's predicted time to first token (`Pick.predicted_ttft_s`, from `pd_joint.prefill_s`). When Envoy's
 access log reports the request's end (`access_log.py`, after the response, off its path), a streamed request's
 actual TTFT is what Envoy timed from sending the request to the engine to the engine's first byte (a streamed
 answer's first event carries the first token). Both sides go to Prometheus histograms per model and instance.

@@ -44,6 +44,10 @@ from coordinator.topology import Topology, Transfers
 TYPE = "pd_joint"
 
 
+#: Token budget per engine step (vLLM `--max-num-batched-tokens`) when no other is configured.
+STEP_BUDGET = 8192
+
+
 @dataclass(frozen=True, slots=True)
 class Params:
     """See the module docstring."""
@@ -54,7 +58,7 @@ class Params:
     max_kv_usage: float = 0.95
     interference: float = 1.0
     #: Token budget per engine step (vLLM `--max-num-batched-tokens`), for the steps a prefill takes.
-    step_budget: int = 8192
+    step_budget: int = STEP_BUDGET
 
     def check(self) -> str | None:
         if self.top_k < 1:
@@ -91,6 +95,14 @@ def _uncached(c: Candidate, isl: int) -> int:
     return max(0, isl - min(c.match.matched_tokens, isl))
 
 
+def prefill_s(c: Candidate, isl: int, step_budget: int = STEP_BUDGET) -> float:
+    """Predicted time until `c` has computed a prompt of `isl` tokens, its queue included (`latency.ttft_s` on its
+    queued prefill, the prompt's uncached tokens, its decoding batch unless it is a prefill instance, and its
+    learned step costs)."""
+    batch, context = _batch(c) if c.state.info.role != "prefill" else (0, 0.0)
+    return ttft_s(_costs(c), c.prefill_tokens, _uncached(c, isl), batch, context, step_budget)
+
+
 class PdJoint:
     """See the module docstring."""
 
@@ -115,8 +127,7 @@ class PdJoint:
 
     def prefill_s(self, c: Candidate, isl: int) -> float:
         """Predicted time until `c` has computed this prompt (queue included)."""
-        batch, context = _batch(c) if c.state.info.role != "prefill" else (0, 0.0)
-        return ttft_s(_costs(c), c.prefill_tokens, _uncached(c, isl), batch, context, self.params.step_budget)
+        return prefill_s(c, isl, self.params.step_budget)
 
     def first_step_s(self, d: Candidate, isl: int) -> float:
         """Predicted time of `d`'s first decode step with this request in its batch."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.latency import StepCosts
-from coordinator.scheduling.pd_joint import PdJoint, create
+from coordinator.scheduling.pd_joint import PdJoint, create, prefill_s
 from coordinator.topology import PRESETS, Link, NodeLinks, Topology
 from tests.coordinator.scheduling.fakes import cand
 
@@ -29,6 +29,14 @@ def test_the_prefill_instance_with_the_prompt_cached_wins_until_its_queue_costs_
     assert choice.prefill.instance_id == "p0"
     choice = joint.choose(ISL, [p("p0", npu=200, prefill=8000), p("p1")], [d("d0")])
     assert choice.prefill.instance_id == "p1"
+
+
+def test_prefill_time_is_the_queue_and_the_uncached_prompt_in_steps_of_the_budget():
+    # 4,096 uncached tokens behind 8,000 queued: 12,096 tokens, two steps of the default 8,192-token budget.
+    expected = 2 * COSTS.step + 12_096 * COSTS.prefill
+    assert prefill_s(p("p0", prefill=8000), ISL) == pytest.approx(expected)
+    assert create().prefill_s(p("p0", prefill=8000), ISL) == pytest.approx(expected)
+    assert prefill_s(p("p0", prefill=8000), ISL, step_budget=4096) > expected  # more, smaller steps
 
 
 def test_a_decode_instance_on_the_prefill_node_wins_over_one_across_the_network():
