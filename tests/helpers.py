@@ -346,7 +346,9 @@ class RunningMesh:
         return f"[{host}]:{e['port']}" if ":" in host else f"{host}:{e['port']}"
 
     def stats(self) -> admin_pb2.GetStatsResponse:
-        return self.admin().GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+        """The coordinator's `Admin/GetStats`, over a channel closed afterwards."""
+        with self.channel() as channel:
+            return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
 
     def wait_for(self, predicate, timeout: float = 30, what: str = ""):
         return wait_until(predicate, timeout, what, interval=0.1)

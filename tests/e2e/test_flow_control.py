@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 
-from tandem.v1 import admin_pb2, admin_pb2_grpc
 from tests.helpers import RunningMesh, mesh_config, wait_until
 
 GOLD = {"name": "gold", "keys": ["sk-gold"], "default_tier": "priority", "max_tier": "priority"}
@@ -42,11 +41,6 @@ def mesh(request, tmp_path_factory):
     yield running
     if running.process.poll() is None:
         running.stop()
-
-
-def stats(mesh: RunningMesh) -> admin_pb2.GetStatsResponse:
-    with mesh.channel() as channel:
-        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
 
 
 def post(mesh: RunningMesh, key: str, results: list, index: int) -> None:
@@ -89,8 +83,8 @@ def test_flex_flood_is_queued_or_refused_and_priority_goes_first(mesh):
     last_flex = max(at for _, at in served)
     assert all(sent_at < at < last_flex for _, at in prio)
 
-    wait_until(lambda: stats(mesh).requests_inflight == 0, 20, "every request's end reached the coordinator")
-    queues = {(q.tier, q.tenant): q for q in stats(mesh).queues}
+    wait_until(lambda: mesh.stats().requests_inflight == 0, 20, "every request's end reached the coordinator")
+    queues = {(q.tier, q.tenant): q for q in mesh.stats().queues}
     flex_q, prio_q = queues[("flex", "batch")], queues[("priority", "gold")]
     assert flex_q.shed_saturated == len(refused) and flex_q.released == FLEX_QUEUED
     assert prio_q.released + prio_q.admitted_at_once == 3 and prio_q.shed_expired == 0
@@ -122,11 +116,11 @@ def test_the_openai_sdk_retries_the_429_and_every_gauge_is_back_to_zero(mesh):
     assert all(r is not None and r[0].status_code == 200 for r in flood)
 
     def idle() -> bool:
-        s = stats(mesh)
+        s = mesh.stats()
         return s.requests_inflight == 0 and all(q.queued_now == 0 for q in s.queues)
 
     wait_until(idle, 20, "nothing in flight or queued")
     for tier in ("priority", "default", "flex"):
         assert queued(mesh, tier) == 0
     assert mesh.coordinator_metric("tandem_coordinator_inflight_requests") == 0
-    assert all(t.requests_inflight == 0 for t in stats(mesh).tenants)
+    assert all(t.requests_inflight == 0 for t in mesh.stats().tenants)

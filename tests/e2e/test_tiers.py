@@ -13,7 +13,6 @@ import openai
 import pytest
 import yaml
 
-from tandem.v1 import admin_pb2, admin_pb2_grpc
 from tests.helpers import ROOT, RunningMesh, mesh_config, wait_until
 
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiers.yaml").read_text())
@@ -52,11 +51,6 @@ def mesh(request, tmp_path_factory):
     yield running
     if running.process.poll() is None:
         running.stop()
-
-
-def stats(mesh: RunningMesh) -> admin_pb2.GetStatsResponse:
-    with mesh.channel() as channel:
-        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
 
 
 def test_the_example_names_its_three_tenants_keys():
@@ -151,11 +145,11 @@ def test_tiny_gets_429_past_its_quota_then_the_sdk_retry_succeeds(mesh):
         )
 
     def settled() -> bool:
-        s = stats(mesh)
+        s = mesh.stats()
         return s.requests_inflight == 0 and all(t.requests_inflight == 0 for t in s.tenants)
 
     wait_until(settled, 15, "every request's end reached the coordinator")
-    final = stats(mesh)
+    final = mesh.stats()
     tenants = {t.tenant: t for t in final.tenants}
     assert tenants["tiny"].requests_rate_limited >= 2 and tenants["tiny"].requests_admitted >= 31
     tiers = {(t.tenant, t.tier): t for t in final.tiers}

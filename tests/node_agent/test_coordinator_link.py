@@ -36,6 +36,24 @@ def running_engine(tmp_path) -> EngineSupervisor:
     return sup
 
 
+async def cut_connections(port: int, count: int, timeout: float) -> None:
+    """A coordinator that is down: every connection to `port` accepted and cut at once, until `count` came."""
+    attempts = []
+
+    def attempted(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        attempts.append(writer.get_extra_info("peername"))
+        writer.close()
+
+    dead = await asyncio.start_server(attempted, "127.0.0.1", port)
+    try:
+        await eventually(
+            lambda: len(attempts) >= count, timeout, f"{count} connection attempts while it is down"
+        )
+    finally:
+        dead.close()
+        await dead.wait_closed()
+
+
 async def test_engines_are_registered_again_within_a_second_of_the_coordinator_coming_back(tmp_path):
     port = free_port()
     sup = running_engine(tmp_path)
@@ -49,18 +67,7 @@ async def test_engines_are_registered_again_within_a_second_of_the_coordinator_c
         await eventually(lambda: not link.registered, 5, "loss noticed")
         # Down for a while: the agent's channel tries to connect five times in a row (each attempt accepted, then
         # cut), so gRPC's own reconnect backoff (1 s, then 1.6 s, 2.6 s, ...) would have grown far past a second.
-        attempts = []
-
-        def attempted(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            attempts.append(writer.get_extra_info("peername"))
-            writer.close()
-
-        dead = await asyncio.start_server(attempted, "127.0.0.1", port)
-        await eventually(
-            lambda: len(attempts) >= 5, 10, "five connection attempts while the coordinator is down"
-        )
-        dead.close()
-        await dead.wait_closed()
+        await cut_connections(port, 5, 10)
         back = FakeRegistry()
         server = await serve(back, port)
         loop = asyncio.get_running_loop()
@@ -104,17 +111,7 @@ async def test_a_restarted_coordinator_gets_the_engines_within_a_fraction_of_a_s
         await server.stop(0)  # the coordinator dies
         await eventually(lambda: not link.registered, 5, "loss noticed")
         assert loop.time() - killed < 0.5, "the lost stream was noticed at the heartbeat interval"
-        attempts = []
-
-        def attempted(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            attempts.append(writer.get_extra_info("peername"))
-            writer.close()
-
-        # Down for a while (every connection cut), as while `tandem up` restarts it.
-        dead = await asyncio.start_server(attempted, "127.0.0.1", port)
-        await eventually(lambda: len(attempts) >= 2, 5, "connection attempts while the coordinator is down")
-        dead.close()
-        await dead.wait_closed()
+        await cut_connections(port, 2, 5)  # down for a while, as while `tandem up` restarts it
         back = SlowBeatRegistry()
         server = await serve(back, port)
         listening = loop.time()
