@@ -10,8 +10,10 @@ a predicate until it holds and fail naming what they waited for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
+import random
 import socket
 import subprocess
 import tempfile
@@ -24,14 +26,32 @@ from typing import Any
 # -- ports -------------------------------------------------------------------------------------------------------
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct free TCP ports on `host` (held open together so they differ)."""
-    sockets = []
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's `ip_local_port_range`)."""
     try:
-        for _ in range(count):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free TCP ports on `host` (held open together so they differ). They are taken below the
+    kernel's ephemeral range when it leaves room: a port from that range can be taken by any process's outgoing
+    connection between this call and the server's bind (a restarted component's port too), which made a mesh
+    fail to start with "Address already in use" once in a long run."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    sockets: list[socket.socket] = []
+    try:
+        while len(sockets) < count:
             s = socket.socket()
-            s.bind((host, 0))
             sockets.append(s)
+            for _ in range(20 if low > 10_000 else 0):
+                with contextlib.suppress(OSError):  # in use: another try
+                    s.bind((host, rng.randrange(10_000, low)))
+                    break
+            else:
+                s.bind((host, 0))
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:

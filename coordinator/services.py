@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -82,6 +83,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self.book = book or NodeBook()
         self.prober = prober
         self._probes: dict[str, asyncio.Task] = {}  # instance id -> its probe loop, until it answers
+        self._orphan_checks: set[asyncio.Task] = set()  # probes of a gone agent's engines (`_check_orphans`)
         self.open_streams = 0  # heartbeat streams of live agents, for the mesh health view
         self.on_registered: Callable[[], None] | None = (
             None  # on a registration and when a probed instance turns routable: wakes the relearn window
@@ -129,15 +131,19 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             )
             await context.abort(refusal.code, refusal.message)
         old = self.instances.get(info.instance_id)
-        # The same engine registering again (an agent restart) stays routable; anything new is probed first.
-        verified = self.prober is None or (old is not None and old.verified and old.info == info)
+        # The same serving engine registering again (its agent restarted) stays routable, and is probed once to
+        # confirm (a whole node restarted: its agent re-registers engines it is still relaunching); anything new,
+        # or an engine found dead, is probed first.
+        verified = self.prober is None or (
+            old is not None and old.verified and old.health is Health.HEALTHY and old.info == info
+        )
         state = self.instances.register(info, verified=verified)
         if self.ledger is not None:
             # A (re)started engine or a restarted agent: the next report of its counters is a new baseline.
             self.ledger.forget_progress(info.instance_id)
             self.ledger.set_prefill_rate(info.instance_id, self.config.scheduler.prefill_rate_tokens_per_s)
         self.shared.registered(info, verified)
-        if not verified:
+        if self.prober is not None:
             self._start_probe(state)
         if self.on_registered is not None:
             self.on_registered()
@@ -159,6 +165,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self, request_iterator: AsyncIterator[registry_pb2.HeartbeatRequest], context
     ) -> AsyncIterator[registry_pb2.HeartbeatResponse]:
         self.open_streams += 1
+        heard: set[str] = set()  # the known instances this agent reported on this stream
         try:
             async for beat in request_iterator:
                 await self._check_owner(context, "Heartbeat", beat.instance_id)
@@ -175,6 +182,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                         queued = self.ledger.committed_prefill_tokens(beat.instance_id)
                         self.demand.observe(before.info.model, beat.instance_id, done, queued)
                 if known:
+                    heard.add(beat.instance_id)
                     self.shared.reported(beat.instance_id, health, load)
                     if self.on_load is not None:
                         self.on_load()
@@ -184,6 +192,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         finally:
             self.open_streams -= 1
             publish_instance_counts(self.instances)
+            if heard and self.prober is not None:
+                self._start_orphan_check(heard, time.time())
 
     def _delivered(self, instance_id: str, hits) -> None:
         tokens = self.delivered.delta(instance_id, hits)
@@ -228,30 +238,71 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self._probes[iid] = asyncio.create_task(self._probe(state), name=f"probe-{iid}")
 
     async def _probe(self, state: InstanceState) -> None:
-        """Probes until the instance answers (then it is routable) or leaves the table (then the loop ends)."""
+        """Probes until the instance answers (then it is routable) or leaves the table (then the loop ends). A
+        re-registered instance kept routable that does not answer is unroutable until it does."""
         assert self.prober is not None
         iid = state.info.instance_id
         try:
             while self.instances.get(iid) is state:
-                if await self.prober.answers(state.info.address):
-                    if self.instances.get(iid) is state:
-                        state.verified = True
-                        self.shared.verified(iid)
-                        publish_instance_counts(self.instances)
-                        log.info("instance answered its probe", extra={"instance": iid})
-                        if (
-                            self.on_registered is not None
-                        ):  # routable now: decisions waiting for one try again
-                            self.on_registered()
+                answered = await self.prober.answers(state.info.address)
+                if self.instances.get(iid) is not state or (answered and state.verified):
                     return
+                if answered:
+                    state.verified = True
+                    self.shared.verified(iid)
+                    publish_instance_counts(self.instances)
+                    log.info("instance answered its probe", extra={"instance": iid})
+                    if self.on_registered is not None:  # routable now: decisions waiting for one try again
+                        self.on_registered()
+                    return
+                if state.verified:  # kept routable at re-registration, and it does not answer
+                    state.verified = False
+                    self.shared.registered(state.info, False)
+                    publish_instance_counts(self.instances)
+                    log.warning("re-registered instance does not answer its probe", extra={"instance": iid})
                 await asyncio.sleep(self.prober.interval_s)
         finally:
             if self._probes.get(iid) is asyncio.current_task():
                 del self._probes[iid]
 
+    def _start_orphan_check(self, instance_ids: set[str], ended_at: float) -> None:
+        task = asyncio.create_task(self._check_orphans(instance_ids, ended_at), name="orphan-check")
+        self._orphan_checks.add(task)
+        task.add_done_callback(self._orphan_checks.discard)
+
+    async def _check_orphans(self, instance_ids: set[str], ended_at: float) -> None:
+        """An agent's heartbeat stream ended (the agent died, restarts or lost its connection): its engines are
+        asked at once instead of after the silence TTL. One that does not answer is unhealthy now, so a dead node's
+        engines stop receiving requests within a probe's deadline; one that answers keeps serving (its agent
+        restarts and adopts it). An instance heard from again since the stream ended is left to that report."""
+        assert self.prober is not None
+        states = [
+            s
+            for iid in instance_ids
+            if (s := self.instances.get(iid)) is not None and s.health is Health.HEALTHY
+        ]
+        answers = await asyncio.gather(*(self.prober.answers(s.info.address) for s in states))
+        dead = [
+            s
+            for s, answered in zip(states, answers, strict=True)
+            if not answered
+            and self.instances.get(s.info.instance_id) is s
+            and s.last_heartbeat_at <= ended_at
+            and s.health is Health.HEALTHY
+        ]
+        for state in dead:
+            state.health = Health.UNHEALTHY
+            self.shared.reported(state.info.instance_id, Health.UNHEALTHY, state.load)
+        if dead:
+            publish_instance_counts(self.instances)
+            log.warning(
+                "agent gone and its engines do not answer: marked unhealthy",
+                extra={"instances": sorted(s.info.instance_id for s in dead)},
+            )
+
     async def close(self) -> None:
         """Stops the probes in flight."""
-        for task in list(self._probes.values()):
+        for task in [*self._probes.values(), *self._orphan_checks]:
             task.cancel()
         self._probes.clear()
         if self.prober is not None:

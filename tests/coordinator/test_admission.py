@@ -13,7 +13,7 @@ from aiohttp import web
 from coordinator.admission import NodeBook, registration_refusal
 from coordinator.config import CoordinatorConfig
 from coordinator.instance_probe import HealthProber
-from coordinator.instances import InstanceInfo, InstanceTable
+from coordinator.instances import Health, InstanceInfo, InstanceTable
 from coordinator.services import RegistryService
 from mesh.config import parse_mesh_config
 from tandem.tls import caller_var
@@ -184,6 +184,21 @@ async def test_re_registering_the_same_engine_keeps_it_routable():
         await service.close()
 
 
+async def test_a_re_registered_engine_that_no_longer_answers_turns_unroutable_at_once():
+    """A whole node restarted: its new agent re-registers an engine it is still relaunching. The engine stays
+    routable on its old probe only until one probe finds nothing there; it is routable again once it answers."""
+    service = registry()
+    try:
+        async with health_server() as engine:
+            await register(service, "n1", "sim-0", engine)
+            await eventually(lambda: service.instances.get("sim-0").routable, 5, "probed")
+        await register(service, "n1", "sim-0", engine)  # the server above is gone
+        await eventually(lambda: not service.instances.get("sim-0").routable, 2, "found dead by its probe")
+        assert service._probes  # noqa: SLF001 - probing on until it answers
+    finally:
+        await service.close()
+
+
 async def test_squatting_after_a_restart_is_refused_and_the_owner_keeps_its_id():
     """The issue's squatting: a coordinator restarted (an empty table) and another node's agent registers the id
     first. The mesh file names the owner, so the squatter is refused and the owner registers."""
@@ -233,5 +248,36 @@ async def test_a_probed_instance_turning_routable_wakes_the_decisions_waiting_fo
             await register(service, "n1", "sim-0", engine)
             await eventually(lambda: len(wakes) == 2, 5, "the second wake, at the probe's answer")
             assert wakes == [False, True]  # registered (not routable yet), then routable
+    finally:
+        await service.close()
+
+
+async def test_when_an_agents_stream_ends_its_dead_engines_turn_unhealthy_at_once_and_live_ones_stay():
+    """A whole node died (agent and engines): its engines are probed as soon as the agent's heartbeat stream ends,
+    not after the silence TTL, and the one that does not answer is unroutable within the probe's deadline. An
+    engine that still answers (only its agent died) keeps serving."""
+    service = registry()
+    try:
+        async with health_server() as engine:
+            await register(service, "n1", "live-0", engine)
+            await register(service, "n1", "dead-0", "127.0.0.1:9")
+            beats = [
+                registry_pb2.HeartbeatRequest(instance_id=iid, health=common_pb2.HEALTH_HEALTHY)
+                for iid in ("live-0", "dead-0")
+            ]
+
+            async def stream():
+                for beat in beats:
+                    yield beat
+
+            assert [r.known async for r in service.Heartbeat(stream(), Context())] == [True, True]
+            assert (
+                service.instances.get("dead-0").health is Health.HEALTHY
+            )  # the agent's word, until the stream ends
+            await eventually(
+                lambda: service.instances.get("dead-0").health is Health.UNHEALTHY, 2, "dead-0 out"
+            )
+            await eventually(lambda: not service._orphan_checks, 2, "the check ended")  # noqa: SLF001
+            assert service.instances.get("live-0").health is Health.HEALTHY
     finally:
         await service.close()
