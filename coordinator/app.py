@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from coordinator.instances import InstanceTable
 from coordinator.kv_match import ConductorMatcher
 from coordinator.picker import EndpointPicker
 from coordinator.predicted_cache import PredictedCache
+from coordinator.quotas import SHARE_INTERVAL_S, Quotas, Use
 from coordinator.relearn import RelearnWindow
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.shared_state import LocalState, SharedState
@@ -298,6 +300,20 @@ async def publish_scheduler(mesh: MeshView, shared: EtcdState, interval_s: float
             shared.scheduler_set(mesh.coordinator.scheduler.model_dump(mode="json"))
 
 
+async def publish_quotas(quotas: Quotas, shared: EtcdState, interval_s: float = SHARE_INTERVAL_S) -> None:
+    """Publishes this replica's quota use when it changed, and at least every third of the lease (keeping the
+    key alive while the replica lives)."""
+    last: dict | None = None
+    sent_at = 0.0
+    while True:
+        await asyncio.sleep(interval_s)
+        share = quotas.share()
+        now = time.monotonic()
+        if shared.connected and (share != last or now - sent_at > shared.ttl / 3):
+            shared.quotas_set(share)
+            last, sent_at = share, now
+
+
 async def run(
     mesh: MeshView, reload: Callable[[str], MeshView] | None = None, tls: TlsFiles | None = None
 ) -> None:
@@ -314,6 +330,15 @@ async def run(
 
             shared.on_scheduler = on_scheduler
             tasks.append(asyncio.create_task(publish_scheduler(mesh, shared)))
+            if c.decider is not None:  # tenant quotas hold mesh-wide (`coordinator/quotas.py`)
+                decider = c.decider
+                shared.replica = c.tickets.incarnation
+
+                def on_quotas(replica: str, share: dict[str, Use] | None) -> None:
+                    decider.quotas.peer(replica, share, decider.tenants.specs)
+
+                shared.on_quotas = on_quotas
+                tasks.append(asyncio.create_task(publish_quotas(decider.quotas, shared)))
         await c.shared.start(c.picker.instances)
         c.matcher.start()
         section = mesh.coordinator

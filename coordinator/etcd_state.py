@@ -8,7 +8,10 @@ Keys under `coordinator.etcd.prefix` (default `/tandem`):
   any more, etcd deletes the key and every replica drops the instance;
 - `drained/<id>`: present while an operator has the instance drained (no lease: it survives restarts);
 - `scheduler`: the `coordinator.scheduler` section in force (JSON). A replica that reloads it from its mesh file
-  writes it here; every replica applies what is here (the latest change wins, also over a replica's own file).
+  writes it here; every replica applies what is here (the latest change wins, also over a replica's own file);
+- `quotas/<replica incarnation>`: that replica's use of each tenant's quota (JSON `{tenant: [requests, tokens,
+  in_flight]}`, `coordinator/quotas.py`), on a lease of `instance_ttl_s` it keeps alive: the other replicas charge
+  their copies of the buckets with it, and forget it when the replica dies.
 
 Each replica loads the prefix at start and then watches it from the next revision, applying every change to its own
 `InstanceTable` (`shared_state.apply_change`). Writes go through one background task (latest value per key wins),
@@ -29,6 +32,7 @@ from collections.abc import Callable
 import aetcd
 
 from coordinator.instances import Health, InstanceInfo, InstanceTable
+from coordinator.quotas import Use
 from coordinator.shared_state import (
     DrainSet,
     InstanceGone,
@@ -57,7 +61,7 @@ class EtcdState:
         self.connected = False
         self.owned: dict[str, InstancePut] = {}  # instances whose agent reports to this replica
         self.drained: set[str] = set()
-        self._leases: dict[str, int] = {}  # instance id -> etcd lease id
+        self._leases: dict[bytes, int] = {}  # key (an instance's, this replica's quota use) -> etcd lease id
         self._pending: dict[bytes, tuple[str, object]] = {}  # key -> (op, payload), latest wins
         self._wake = asyncio.Event()
         self.on_scheduler: Callable[[dict], None] | None = None  # applies a scheduler section seen in etcd
@@ -65,6 +69,10 @@ class EtcdState:
             None  # the last section written or seen (so an echo is not reapplied)
         )
         self._tasks: list[asyncio.Task] = []
+        #: Applies another replica's quota use (None: the replica is gone); `replica` names this one's own key.
+        self.on_quotas: Callable[[str, dict[str, Use] | None], None] | None = None
+        self.replica = ""
+        self._quota_peers: set[str] = set()
 
     def _key(self, kind: str, instance_id: str) -> bytes:
         return self.prefix + f"/{kind}/{instance_id}".encode()
@@ -101,6 +109,10 @@ class EtcdState:
         if section != self.scheduler_seen:
             self.scheduler_seen = section
             self._queue(self.prefix + b"/scheduler", "scheduler", json.dumps(section, sort_keys=True))
+
+    def quotas_set(self, share: dict[str, Use]) -> None:
+        """This replica's quota use (`Quotas.share`), for the others."""
+        self._queue(self._key("quotas", self.replica), "quotas", json.dumps(share, sort_keys=True))
 
     def _queue(self, key: bytes, op: str, payload: object) -> None:
         self._pending[key] = (op, payload)
@@ -144,9 +156,7 @@ class EtcdState:
         instance_id = arg
         if op == "delete":
             await self.client.delete(key)
-            lease = (
-                self._leases.pop(instance_id, None) if key.startswith(self.prefix + b"/instances/") else None
-            )
+            lease = self._leases.pop(key, None)
             if lease is not None:
                 with contextlib.suppress(Exception):
                     await self.client.revoke_lease(lease)
@@ -154,19 +164,25 @@ class EtcdState:
             await self.client.put(key, b"1")
         elif op == "scheduler":
             await self.client.put(key, arg.encode())
+        elif op == "quotas":
+            await self.client.put(key, arg.encode(), lease=await self._lease(key))
         else:
             put = self.owned.get(instance_id)
             if put is None:
                 return
-            lease = self._leases.get(instance_id)
-            if lease is not None:
-                reply = await self.client.refresh_lease(lease)
-                if reply is None or reply.TTL <= 0:  # ended while we were away
-                    lease = None
-            if lease is None:
-                lease = (await self.client.lease(self.ttl)).id
-                self._leases[instance_id] = lease
-            await self.client.put(key, encode_instance(put), lease=lease)
+            await self.client.put(key, encode_instance(put), lease=await self._lease(key))
+
+    async def _lease(self, key: bytes) -> int:
+        """The live lease of `key`, refreshed, or a new one."""
+        lease = self._leases.get(key)
+        if lease is not None:
+            reply = await self.client.refresh_lease(lease)
+            if reply is None or reply.TTL <= 0:  # ended while we were away
+                lease = None
+        if lease is None:
+            lease = (await self.client.lease(self.ttl)).id
+            self._leases[key] = lease
+        return lease
 
     async def _follow(self) -> None:
         while True:
@@ -193,10 +209,13 @@ class EtcdState:
         snapshot = await self.client.get_prefix(self.prefix + b"/")
         puts: dict[str, InstancePut] = {}
         drained: set[str] = set()
+        quotas: dict[str, bytes] = {}
         for kv in snapshot:
             kind, _, iid = kv.key[len(self.prefix) + 1 :].decode().partition("/")
             if kind == "scheduler":
                 self._scheduler(kv.value)
+            elif kind == "quotas":
+                quotas[iid] = kv.value
             elif kind == "instances":
                 with contextlib.suppress(ValueError):
                     puts[iid] = decode_instance(kv.value)
@@ -210,6 +229,10 @@ class EtcdState:
         self.drained = drained | {i for i in self.drained if i in self.owned and i not in puts}
         for put in puts.values():
             apply_change(self.table, put, self.drained)
+        for replica in self._quota_peers - set(quotas):
+            self._quotas(replica, None)
+        for replica, value in quotas.items():
+            self._quotas(replica, value)
         if not self.connected:
             log.info("etcd connected", extra={"instances": len(puts), "drained": len(drained)})
         self.connected = True
@@ -250,6 +273,20 @@ class EtcdState:
             if self.on_scheduler is not None:
                 self.on_scheduler(section)
 
+    def _quotas(self, replica: str, value: bytes | None) -> None:
+        """Another replica's quota use changed (None: its key is gone)."""
+        if replica == self.replica or self.on_quotas is None:
+            return
+        share = None
+        if value is not None:
+            try:
+                share = {name: (int(r), int(t), int(f)) for name, (r, t, f) in json.loads(value).items()}
+            except (ValueError, TypeError, AttributeError):
+                log.warning("unreadable quota use in etcd, ignored", extra={"replica": replica})
+                return
+        (self._quota_peers.add if share is not None else self._quota_peers.discard)(replica)
+        self.on_quotas(replica, share)
+
     def _on_event(self, event) -> None:
         assert self.table is not None
         kind, _, iid = event.kv.key[len(self.prefix) + 1 :].decode().partition("/")
@@ -257,6 +294,8 @@ class EtcdState:
         if kind == "scheduler":
             if put:
                 self._scheduler(event.kv.value)
+        elif kind == "quotas":
+            self._quotas(iid, event.kv.value if put else None)
         elif kind == "instances":
             if put:
                 with contextlib.suppress(ValueError):

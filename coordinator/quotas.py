@@ -15,7 +15,15 @@ least `STREAM_BYTES_PER_TOKEN` per token, so the bound never undercharges), the 
 bucket. Concurrency is released on every end of a request: completion, the client leaving, an engine error, a
 decision that never reached Envoy, a ticket that expired (`Quotas.settle`, run by the ticket's release).
 
-Per coordinator replica: each replica keeps its own buckets (docs/scheduling.md says how to size limits for that).
+**Mesh-wide, with coordinator replicas** (`coordinator.etcd`): every replica keeps a copy of every tenant's buckets,
+refilled alike, and drains them with what the *other* replicas took too. Each replica publishes its own use since
+it started (`share`: requests and net tokens taken per tenant, and requests in flight) to etcd every
+`SHARE_INTERVAL_S`; every other replica applies the increase since the last share it saw (`peer`) to its buckets
+and counts the peer's requests in flight against `max_concurrency`. How exact: a tenant can exceed a limit by
+what the other replicas admitted within one share's delay (an interval plus etcd's watch latency, about 0.3 s),
+i.e. by at most `(replicas - 1) x rate x delay`; docs/scheduling.md has the measurement. A replica's first share
+seen is its baseline (its earlier use is not charged again); a replica that dies takes its requests in flight with
+it when its key's lease ends.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from coordinator.tenants import TenantSpec
 STREAM_BYTES_PER_TOKEN = 64
 #: `retry-after` when only the concurrency limit binds (no bucket says when a request in flight ends).
 CONCURRENCY_RETRY_S = 1.0
+#: How often a replica publishes its use for the others (mesh-wide quotas).
+SHARE_INTERVAL_S = 0.2
 
 
 def go_duration(seconds: float) -> str:
@@ -77,6 +87,12 @@ class TenantUsage:
     requests: Bucket | None = None
     tokens: Bucket | None = None
     in_flight: int = 0
+    taken_requests: int = 0  # admitted by this replica since it started (published for the others)
+    taken_tokens: int = 0  # charged by this replica, net of refunds
+
+
+#: A replica's published use of one tenant: (requests taken, net tokens taken, requests in flight).
+Use = tuple[int, int, int]
 
 
 @dataclass(slots=True)
@@ -143,6 +159,42 @@ class Quotas:
         self.clock = clock
         self.usage: dict[str, TenantUsage] = {}
         self.counters = QuotaCounters()
+        self.peers: dict[str, dict[str, Use]] = {}  # the other replicas' last share seen, by replica
+
+    def share(self) -> dict[str, Use]:
+        """This replica's use per tenant since it started, for the other replicas."""
+        return {
+            name: (u.taken_requests, u.taken_tokens, u.in_flight)
+            for name, u in self.usage.items()
+            if u.taken_requests or u.in_flight
+        }
+
+    def peer(self, replica: str, share: dict[str, Use] | None, specs: dict[str, TenantSpec]) -> None:
+        """Another replica's share (None: it is gone): its use since its last share drains this replica's buckets
+        (a refund fills them); its requests in flight count against `max_concurrency`. The first share of a
+        replica is only its baseline."""
+        if share is None:
+            self.peers.pop(replica, None)
+            return
+        before = self.peers.get(replica)
+        self.peers[replica] = share
+        if before is None:
+            return
+        now = self.clock()
+        for name, (requests, tokens, _) in share.items():
+            spec = specs.get(name)
+            if spec is None:
+                continue
+            usage = self._usage(spec, now)
+            old_requests, old_tokens, _ = before.get(name, (0, 0, 0))
+            if usage.requests is not None:
+                usage.requests.level -= requests - old_requests
+            if usage.tokens is not None:
+                usage.tokens.level = min(usage.tokens.capacity, usage.tokens.level - (tokens - old_tokens))
+
+    def peers_in_flight(self, tenant: str) -> int:
+        """The tenant's requests in flight on the other replicas, as they last said."""
+        return sum(share.get(tenant, (0, 0, 0))[2] for share in self.peers.values())
 
     def _usage(self, spec: TenantSpec, now: float) -> TenantUsage:
         usage = self.usage.get(spec.name)
@@ -199,7 +251,10 @@ class Quotas:
                     f"Requested {tokens}."
                 )
             waits.append((wait, "tokens", message))
-        if spec.max_concurrency is not None and usage.in_flight >= spec.max_concurrency:
+        if (
+            spec.max_concurrency is not None
+            and usage.in_flight + self.peers_in_flight(name) >= spec.max_concurrency
+        ):
             waits.append(
                 (
                     CONCURRENCY_RETRY_S,
@@ -218,6 +273,8 @@ class Quotas:
         if usage.tokens is not None:
             usage.tokens.level -= tokens
         usage.in_flight += 1
+        usage.taken_requests += 1
+        usage.taken_tokens += tokens
         self.counters.admitted[name] = self.counters.admitted.get(name, 0) + 1
         return Admission(name, tokens, prompt_tokens, _limit_headers(spec, usage))
 
@@ -237,6 +294,7 @@ class Quotas:
         used = admission.prompt_tokens + max(0, output_bound or 0) if served else 0
         refund = admission.tokens - used
         if refund > 0:
+            usage.taken_tokens -= refund
             usage.tokens.refill(self.clock())
             usage.tokens.level = min(usage.tokens.capacity, usage.tokens.level + refund)
             name = admission.tenant

@@ -113,6 +113,56 @@ def test_a_reloaded_limit_keeps_the_level_capped():
     assert headers(admission) == {}
 
 
+def test_two_replicas_sharing_their_use_hold_one_mesh_wide_limit():
+    """Each replica charges its buckets with what the other took (its share's increase): together they admit the
+    limit, not twice it; a refund on one fills the other's bucket too; the first share seen is only a baseline."""
+    clock = Clock()
+    spec = tenant(requests_per_minute=10, tokens_per_minute=1000)
+    specs = {"t": spec}
+    a, b = Quotas(clock), Quotas(clock)
+    a.peer("b", b.share(), specs)  # baselines: nothing used yet
+    b.peer("a", a.share(), specs)
+    admitted = []
+    for i in range(20):  # alternating replicas, each sharing after every decision
+        here, there, name = (a, b, "a") if i % 2 == 0 else (b, a, "b")
+        try:
+            admitted.append(here.admit(spec, 40, 10))
+        except RateLimited:
+            pass
+        there.peer(name, here.share(), specs)
+    assert len(admitted) == 10  # the mesh-wide limit, not 10 per replica
+    b_admission = admitted[1]
+    b.settle(b_admission, output_bound=0)  # 10 tokens unused, given back on b ...
+    a.peer("b", b.share(), specs)
+    assert a.usage["t"].tokens.level == b.usage["t"].tokens.level  # ... and on a
+    clock.now += 6  # a minute's tenth: one request refilled, on both copies
+    assert a.admit(spec, 1, 1)
+    with pytest.raises(RateLimited):
+        a.admit(spec, 1, 1)
+
+
+def test_a_peers_requests_in_flight_count_against_the_concurrency_limit_until_it_goes():
+    spec = tenant(max_concurrency=2)
+    a, b = Quotas(), Quotas()
+    b.admit(spec, 1, 1)
+    b.admit(spec, 1, 1)
+    a.peer("b", b.share(), {"t": spec})
+    with pytest.raises(RateLimited, match="requests in flight: Limit 2"):
+        a.admit(spec, 1, 1)
+    a.peer("b", None, {"t": spec})  # b died: its key's lease ended
+    assert a.admit(spec, 1, 1)
+
+
+def test_a_replicas_first_share_is_its_baseline_and_unknown_tenants_are_ignored():
+    clock = Clock()
+    spec = tenant(requests_per_minute=5)
+    a = Quotas(clock)
+    a.peer("b", {"t": (100, 0, 0), "gone": (7, 0, 0)}, {"t": spec})  # b's use before a saw it
+    assert a.admit(spec, 1, 1)
+    a.peer("b", {"t": (103, 0, 0), "gone": (9, 0, 0)}, {"t": spec})  # three more since
+    assert a.usage["t"].requests.level == 1 and "gone" not in a.usage
+
+
 def test_output_bound_from_the_response_size():
     assert output_bound(0, False, 100) == 0
     assert output_bound(40, False, 100) == 40 and output_bound(4000, False, 100) == 100
