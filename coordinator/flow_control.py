@@ -6,9 +6,11 @@ coordinator, or is refused, and in which order waiting requests go.
 **When a request waits.** Each tier has an SLO (`TierSlo`: time to first token, time per output token). A request
 is admitted at once when some candidate engine's predicted TTFT and TPOT (`coordinator/latency.py`) meet its
 tier's *threshold* and nothing of its tier or above is already waiting (no overtaking). The threshold of a tier is
-the tightest SLO of that tier and every tier above it (`thresholds`): admitting `flex` work never pushes the fleet
-past what `priority` requests need, so a tier's own, looser SLO only says how long its requests may be expected to
-take. Otherwise the request waits in its tier's queue.
+the tightest SLO of that tier and every tier above it (`thresholds`), those of the tiers above scaled by the
+*headroom* (`DEFAULT_HEADROOM`, 0.5): admitting `flex` work never pushes the fleet past what `priority` requests
+need, and stops while half of their TTFT SLO is still free, so a `priority` request arriving during a burst finds
+room at once instead of waiting behind lower tiers' work admitted just before it. A tier's own, looser SLO only
+says how long its requests may be expected to take. Otherwise the request waits in its tier's queue.
 
 **Order.** Strict priority across tiers (`priority`, then `default`, then `flex`); within a tier, deficit round
 robin across tenants on tokens (prompt plus `max_tokens`, the quota's estimate): each turn, a tenant with waiting
@@ -65,15 +67,20 @@ DEFAULT_SLOS: dict[Tier, TierSlo] = {
 }
 
 
-def thresholds(slos: dict[Tier, TierSlo]) -> dict[Tier, tuple[float, float]]:
+#: The share of a higher tier's TTFT SLO a lower tier's admissions may fill (measured in docs/scheduling.md).
+DEFAULT_HEADROOM = 0.5
+
+
+def thresholds(slos: dict[Tier, TierSlo], headroom: float = 1.0) -> dict[Tier, tuple[float, float]]:
     """Per tier, the (TTFT, TPOT) a candidate must meet for a request of it to be admitted: the tightest of its
-    own SLO and those of the tiers above it."""
+    own SLO and those of the tiers above it, their TTFT scaled by `headroom` (1: none kept free)."""
     out: dict[Tier, tuple[float, float]] = {}
-    ttft = tpot = math.inf
+    above = tpot = math.inf  # the tightest TTFT of the tiers above, already scaled
     for tier in TIERS_BY_RANK:
         slo = slos[tier]
-        ttft, tpot = min(ttft, slo.ttft_slo_s), min(tpot, slo.tpot_slo_s)
-        out[tier] = (ttft, tpot)
+        tpot = min(tpot, slo.tpot_slo_s)
+        out[tier] = (min(above, slo.ttft_slo_s), tpot)
+        above = min(above, slo.ttft_slo_s * headroom)
     return out
 
 
@@ -192,9 +199,10 @@ class FlowQueue:
         quantum_tokens: int = 2048,
         max_retry_after_s: float = 60.0,
         rate_halflife_s: float = 10.0,
+        headroom: float = DEFAULT_HEADROOM,
     ) -> None:
         self.slos = dict(slos or DEFAULT_SLOS)
-        self.thresholds = thresholds(self.slos)
+        self.thresholds = thresholds(self.slos, headroom)
         self.max_queued_total = max_queued_total
         self.quantum = max(1, quantum_tokens)
         self.max_retry_after_s = max_retry_after_s

@@ -105,7 +105,7 @@ class FlowGate:
         if q is None:
             s = self.settings
             q = self.queues[model] = FlowQueue(
-                s.slos(), s.max_queued_total, s.quantum_tokens, s.max_retry_after_s
+                s.slos(), s.max_queued_total, s.quantum_tokens, s.max_retry_after_s, headroom=s.headroom
             )
         return q
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from bench.fleet.instance import EngineSpec, SimInstance
 from bench.replay import percentile
 from coordinator.flow_control import (
+    DEFAULT_HEADROOM,
     DEFAULT_SLOS,
     EngineView,
     Entry,
@@ -70,6 +71,7 @@ class OverloadConfig:
     burst_s: float = 30.0
     admission: bool = True
     slos: dict[Tier, TierSlo] = field(default_factory=lambda: dict(DEFAULT_SLOS))
+    headroom: float = DEFAULT_HEADROOM  # `coordinator.flow_control.headroom`
     load_interval_s: float = 0.25
     seed: int = 0
 
@@ -131,7 +133,7 @@ class OverloadFleet:
         self.ledger = WorkloadLedger(lambda: self.now)
         self.latency = LatencyBook(budget=cfg.engine.max_num_batched_tokens)
         self.policy = create_policy("least_load", None)
-        self.queue = FlowQueue(cfg.slos) if cfg.admission else None
+        self.queue = FlowQueue(cfg.slos, headroom=cfg.headroom) if cfg.admission else None
         self.result = OverloadResult({c.tier: TierResult() for c in TRAFFIC}, 0.0)
         self._heap: list = []
         self._seq = 0
@@ -343,16 +345,24 @@ def cmd_overload(args, progress) -> tuple[str, list]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
+    # Admission off, on without headroom (lower tiers may fill all of priority's TTFT SLO), and as it ships.
+    variants = (
+        ("off", False, 1.0),
+        ("on, headroom 1", True, 1.0),
+        (f"on, headroom {DEFAULT_HEADROOM:g}", True, DEFAULT_HEADROOM),
+    )
     for burst in args.bursts:
-        for admission in (False, True):
-            cfg = OverloadConfig(**{**base.__dict__, "burst": burst, "admission": admission})
+        for label, admission, headroom in variants:
+            cfg = OverloadConfig(
+                **{**base.__dict__, "burst": burst, "admission": admission, "headroom": headroom}
+            )
             result = OverloadFleet(cfg).run(arrivals(rate, cfg))
             assert result.residual == 0, "the ledger kept requests after the last end"
             progress(1)
             for c in TRAFFIC:
                 t = result.tiers[c.tier]
                 lines.append(
-                    f"| {burst:g}x | {'on' if admission else 'off'} | {c.tier.value} | {t.sent} | {t.refused} "
+                    f"| {burst:g}x | {label} | {c.tier.value} | {t.sent} | {t.refused} "
                     f"| {t.met / t.sent:.0%} | {percentile(t.ttft_s, 50) * 1000:.0f} "
                     f"| {percentile(t.ttft_s, 99) * 1000:.0f} | {result.goodput(c.tier):.0f} | "
                     f"{result.queue_peak if admission else '-'} |"

@@ -23,6 +23,9 @@ def test_a_burst_is_held_and_priority_goes_first():
     p50_off = sorted(off.tiers[Tier.PRIORITY].ttft_s)[len(off.tiers[Tier.PRIORITY].ttft_s) // 2]
     assert p50 < p50_off
     assert on.tiers[Tier.PRIORITY].met > off.tiers[Tier.PRIORITY].met
+    # Headroom (as it ships) against none: lower tiers stop before priority's SLO is full.
+    full = OverloadFleet(OverloadConfig(**{**base.__dict__, "headroom": 1.0})).run(arrivals(rate, base))
+    assert on.tiers[Tier.PRIORITY].met > full.tiers[Tier.PRIORITY].met
 
 
 def test_the_command_writes_one_row_per_burst_admission_and_tier():
@@ -30,4 +33,4 @@ def test_the_command_writes_one_row_per_burst_admission_and_tier():
         instances, steady, steady_s, burst_s, seed, bursts = 2, 0.8, 3.0, 2.0, 0, [3.0]
 
     text, rows = cmd_overload(Args, lambda n: None)
-    assert len(rows) == 4 and "| 3x | on | flex |" in text
+    assert len(rows) == 6 and "| 3x | on, headroom 0.5 | flex |" in text and "| 3x | on, headroom 1 |" in text

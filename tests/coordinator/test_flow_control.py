@@ -53,6 +53,14 @@ def test_thresholds_are_the_tightest_of_the_tier_and_those_above():
     assert not meets([], t[F])
 
 
+def test_headroom_keeps_part_of_the_higher_tiers_ttft_slo_free_of_lower_tiers_work():
+    t = thresholds(slos(), headroom=0.5)
+    assert t[P] == (1.0, 0.1)  # the top tier may use all of its SLO
+    assert t[D][0] == 0.5 and t[F][0] == 0.5  # the others stop at half of priority's
+    assert FlowQueue(slos()).threshold(F)[0] == 0.5  # the default (DEFAULT_HEADROOM)
+    assert FlowQueue(slos(), headroom=1.0).threshold(F)[0] == 1.0
+
+
 def test_admits_at_once_when_it_fits_and_nothing_waits_ahead():
     q = FlowQueue(slos())
     assert q.offer(entry(F), fits=True, now=0).verdict == Verdict.ADMIT

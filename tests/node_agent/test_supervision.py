@@ -132,9 +132,13 @@ async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_pa
                 await eventually(lambda: sup.state is not EngineState.RUNNING, 10, "crash noticed")
         await eventually(lambda: sup.state is EngineState.FAILED, 20, "FAILED after the limit")
         assert sup.restarts == 1 and sup.last_exit_code == 1
-        assert registry.events[:3] == [("register", "sim-0"), ("deregister", "sim-0"), ("register", "sim-0")]
         # Deregistered in the end, also when the engine crashed while its registration was still on the wire.
         await eventually(lambda: registry.events[-1] == ("deregister", "sim-0"), 5, "deregistered at the end")
+        events = registry.events
+        assert events[:2] == [("register", "sim-0"), ("deregister", "sim-0")]
+        # Each registration is followed by its deregistration (the restarted engine's may be skipped when it
+        # crashed before its registration went out, as under load).
+        assert all(a != b for a, b in zip(events, events[1:], strict=False)), events
     finally:
         await agent.stop(stop_engines=True)
 
