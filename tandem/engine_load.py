@@ -3,10 +3,9 @@ coordinator's policies."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass(slots=True)
@@ -29,30 +28,52 @@ class EngineLoad:
 
 def parse_load(text: str) -> EngineLoad:
     """vLLM's load gauges, summed over engines/ranks of one server (older `gpu_cache_usage_perc` accepted), and
-    its progress counters per rank."""
+    its progress counters per rank.
+
+    A scanner of Prometheus' text format made for this (an agent reads every engine's `/metrics` four times a
+    second): it looks only at the lines of the few series above and parses labels only on those, where
+    `prometheus_client`'s parser builds every family of the page (a vLLM page is mostly histograms); it reads
+    the same values (tests/tandem/test_engine_load.py compares them on simengine's and vLLM's pages)."""
     load = EngineLoad(sampled_at=time.time())
     usage: list[float] = []
     prompt: dict[int, int] = {}
     generation: dict[int, int] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if name in _COUNTERS:
-                rank = _rank(sample.labels.get("engine", "0"))
-                into = prompt if name == _COUNTERS[0] else generation
-                into[rank] = into.get(rank, 0) + int(sample.value)
-            elif name == _HITS:
-                rank = _rank(sample.labels.get("engine", "0"))
-                load.prefix_hits[rank] = load.prefix_hits.get(rank, 0) + int(sample.value)
-            elif name == "vllm:num_requests_running":
-                load.running += int(sample.value)
-            elif sample.name == "vllm:num_requests_waiting":
-                load.waiting += int(sample.value)
-            elif sample.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-                usage.append(sample.value)
-            elif name == "vllm:cache_config_info":
-                blocks = sum(_count(sample.labels.get(k)) for k in ("num_gpu_blocks", "num_cpu_blocks"))
-                load.kv_blocks = max(load.kv_blocks, blocks)
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue  # comments, other exporters' series
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name, close = line[:brace], line.rfind("}")
+            if close < brace or name not in _WANTED:
+                continue
+            labels = _LABEL.findall(line, brace + 1, close)
+            rest = line[close + 1 :]
+        else:
+            name = line[:space] if space != -1 else line
+            if name not in _WANTED:
+                continue
+            labels, rest = [], line[len(name) :]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        if name in _COUNTERS:
+            rank = _rank(_label(labels, "engine"))
+            into = prompt if name == _COUNTERS[0] else generation
+            into[rank] = into.get(rank, 0) + int(value)
+        elif name == _HITS:
+            rank = _rank(_label(labels, "engine"))
+            load.prefix_hits[rank] = load.prefix_hits.get(rank, 0) + int(value)
+        elif name == "vllm:num_requests_running":
+            load.running += int(value)
+        elif name == "vllm:num_requests_waiting":
+            load.waiting += int(value)
+        elif name == "vllm:cache_config_info":
+            blocks = sum(_count(_label(labels, k)) for k in ("num_gpu_blocks", "num_cpu_blocks"))
+            load.kv_blocks = max(load.kv_blocks, blocks)
+        else:  # kv_cache_usage_perc, or the older gpu_cache_usage_perc
+            usage.append(value)
     load.kv_cache_usage = max(usage) if usage else 0.0
     load.progress = {
         r: (prompt.get(r, 0), generation.get(r, 0)) for r in sorted(prompt.keys() | generation.keys())
@@ -62,6 +83,26 @@ def parse_load(text: str) -> EngineLoad:
 
 _COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 _HITS = "vllm:prefix_cache_hits_total"
+_WANTED = frozenset(
+    {
+        *_COUNTERS,
+        _HITS,
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:cache_config_info",
+    }
+)
+#: One `name="value"` label pair of the text format (the value may hold escaped quotes).
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _label(labels: list[tuple[str, str]], key: str) -> str | None:
+    for k, v in labels:
+        if k == key:
+            return v
+    return None
 
 
 def _count(label: str | None) -> int:
@@ -72,8 +113,9 @@ def _count(label: str | None) -> int:
         return 0
 
 
-def _rank(label: str) -> int:
+def _rank(label: str | None) -> int:
+    """A DP rank label (absent: rank 0)."""
     try:
-        return int(label)
+        return int(label or 0)
     except ValueError:
         return 0
