@@ -244,13 +244,13 @@ class MeshConfig(BaseModel):
                     )
         for agent in self.node_agents:
             for engine in agent.engines:
-                model = models.get(engine.model)
-                if model is None:
+                served = models.get(engine.model)
+                if served is None:
                     continue
-                if not engine.adapters and model.adapters:
-                    engine.adapters = list(model.adapters)
+                if not engine.adapters and served.adapters:
+                    engine.adapters = list(served.adapters)
                 if engine.max_loras is None:
-                    engine.max_loras = model.max_loras
+                    engine.max_loras = served.max_loras
         return self
 
     @model_validator(mode="after")
