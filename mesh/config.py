@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from conductor.config import ConductorConfig
 from coordinator.admission import NodeBook
 from coordinator.config import CoordinatorConfig, PdMode
-from node_agent.config import NodeAgentConfig
+from node_agent.config import LoraAdapterConfig, NodeAgentConfig
 from tandem.config_file import ConfigError, read_yaml, validate
 from tandem.netaddr import Address, is_wildcard, split_host_port
 from tandem.tracing_config import TracingConfig
@@ -184,6 +184,23 @@ class ModelConfig(BaseModel):
     `envoy.upstream_idle_timeout_s` when unset. Set it above the model's longest prefill."""
     max_model_len: int | None = Field(default=None, gt=0)
     """The model's context length: a prompt plus `max_tokens` beyond it is answered 400 by the coordinator."""
+    adapters: list[LoraAdapterConfig] = []
+    """LoRA adapters of this model (`name`, `path`, optional `max_rank`): every engine serving the model gets
+    LoRA enabled and loads them at start through vLLM's `/v1/load_lora_adapter` (docs/configuration.md, "LoRA
+    adapters"); a request whose `model` is an adapter's name is served by the base model with that adapter."""
+    max_loras: int | None = Field(default=None, ge=1)
+    """Adapters one engine step may run at once (vLLM `--max-loras`, default 1); an engine's own `max_loras`
+    wins."""
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> ModelConfig:
+        names = [a.name for a in self.adapters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"adapters: duplicate name {dupes[0]!r}")
+        if self.name in names:
+            raise ValueError(f"adapters: {self.name!r} is the model's own name")
+        return self
 
 
 class MeshConfig(BaseModel):
@@ -212,6 +229,28 @@ class MeshConfig(BaseModel):
                     f"coordinator.topology.nodes.{name}: no node agent has node_id {name!r} "
                     f"(known: {', '.join(sorted(nodes))})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_to_engines(self) -> MeshConfig:
+        """Each model's adapters and `max_loras` go to the engines serving it that set none of their own; an
+        adapter name may not be another model's name (a request naming it would be ambiguous)."""
+        models = {m.name: m for m in self.models}
+        for i, model in enumerate(self.models):
+            for adapter in model.adapters:
+                if adapter.name in models:
+                    raise ValueError(
+                        f"models[{i}].adapters: {adapter.name!r} is also a model's name; rename the adapter"
+                    )
+        for agent in self.node_agents:
+            for engine in agent.engines:
+                served = models.get(engine.model)
+                if served is None:
+                    continue
+                if not engine.adapters and served.adapters:
+                    engine.adapters = list(served.adapters)
+                if engine.max_loras is None:
+                    engine.max_loras = served.max_loras
         return self
 
     @model_validator(mode="after")

@@ -65,8 +65,18 @@ CONTROL_ACCESS = [
         ["/tandem.v1.Registry/", "/tandem.v1.Conductor/Ingest", "/grpc.health.v1.Health/"],
         ["agent/*"],
     ),
-    # A coordinator reaching conductor replicas through Envoy (Match sent to a healthy replica).
-    ("coordinators", ["/tandem.v1.Conductor/Match", "/grpc.health.v1.Health/"], ["coordinator"]),
+    # A coordinator reaching conductor replicas through Envoy (Match sent to a healthy replica), and a node's agent
+    # to place LoRA adapters (NodeAgent/LoadAdapter, UnloadAdapter; the agent allows those to it alone).
+    (
+        "coordinators",
+        [
+            "/tandem.v1.Conductor/Match",
+            "/tandem.v1.NodeAgent/LoadAdapter",
+            "/tandem.v1.NodeAgent/UnloadAdapter",
+            "/grpc.health.v1.Health/",
+        ],
+        ["coordinator"],
+    ),
 ]
 #: What the control listener routes to the coordinator (nothing else is routed there).
 COORDINATOR_SERVICES = [

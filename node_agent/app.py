@@ -29,9 +29,13 @@ from tandem.v1 import node_agent_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-#: Who may call what on a node agent (`tandem.authz`; checked when the mesh runs with TLS): the operator only,
-#: directly or through Envoy's control listener.
-RULES = {"/tandem.v1.NodeAgent/": ("operator",)}
+#: Who may call what on a node agent (`tandem.authz`; checked when the mesh runs with TLS): the operator, directly or
+#: through Envoy's control listener; the LoRA adapter methods only the coordinator (it decides where adapters go).
+RULES = {
+    "/tandem.v1.NodeAgent/": ("operator",),
+    "/tandem.v1.NodeAgent/LoadAdapter": ("coordinator",),
+    "/tandem.v1.NodeAgent/UnloadAdapter": ("coordinator",),
+}
 
 
 def with_otlp_traces(spec):

@@ -71,6 +71,53 @@ class RestartPolicy(BaseModel):
         return self.max_consecutive_failures
 
 
+#: vLLM's `--max-lora-rank` values (vllm/config/lora.py `MaxLoRARanks`).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM's defaults: `--max-lora-rank` 16, `--max-loras` 1.
+DEFAULT_LORA_RANK = 16
+DEFAULT_MAX_LORAS = 1
+
+
+class LoraAdapterConfig(BaseModel):
+    """A LoRA adapter of a model (`models[].adapters`): loaded into every engine serving the model through vLLM's
+    `/v1/load_lora_adapter` once the engine is healthy, and served to requests whose `model` is its name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    """The name clients send as `model` (vLLM's `lora_name`); distinct from every model's name."""
+    path: str = Field(min_length=1)
+    """Where the engine reads the adapter (`lora_path`): a directory on the engine's node holding PEFT's
+    `adapter_config.json` and weights, or a Hugging Face hub id the engine downloads (unless offline)."""
+    max_rank: int | None = Field(default=None, gt=0)
+    """The adapter's rank (`r` of its `adapter_config.json`) when above vLLM's default 16: the engine's
+    `--max-lora-rank` is raised to the smallest vLLM value that fits the largest adapter (at most 512)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        bad = [c for c in value if c.isspace() or c in ",="]
+        if bad:
+            raise ValueError(
+                f"{value!r}: an adapter name cannot contain {bad[0]!r} (vLLM joins adapter names with commas "
+                "in its metrics)"
+            )
+        return value
+
+    @field_validator("max_rank")
+    @classmethod
+    def _rank(cls, value: int | None) -> int | None:
+        if value is not None and value > LORA_RANKS[-1]:
+            raise ValueError(f"{value} is above vLLM's largest --max-lora-rank {LORA_RANKS[-1]}")
+        return value
+
+
+def lora_rank_for(adapters: list[LoraAdapterConfig]) -> int:
+    """`--max-lora-rank`: the smallest vLLM value at or above every adapter's `max_rank` (16 when none says)."""
+    need = max([a.max_rank or DEFAULT_LORA_RANK for a in adapters], default=DEFAULT_LORA_RANK)
+    return next(r for r in LORA_RANKS if r >= need)
+
+
 class EngineConfig(BaseModel):
     """One engine instance the agent launches and supervises (one process per local DP rank in external LB)."""
 
@@ -146,6 +193,14 @@ class EngineConfig(BaseModel):
     """TCP base port of the KV event publisher (the engine binds `port + dp_rank`, replay on
     `port + data_parallel_size + dp_rank`). Needed with DP ranks: vLLM offsets only tcp endpoints per rank and
     rejects ipc ones (vllm/distributed/kv_events.py `offset_endpoint_port`). IPC sockets when unset."""
+    adapters: list[LoraAdapterConfig] = []
+    """LoRA adapters the agent loads into the engine; the model's (`models[].adapters` of the mesh file) when
+    unset. With adapters (or `max_loras`) the engine is launched with `--enable-lora`, `--max-loras`,
+    `--max-lora-rank`, `--max-cpu-loras` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`."""
+    max_loras: int | None = Field(default=None, ge=1)
+    """Adapters one engine step may run at once (`--max-loras`; requests of further adapters wait): the model's
+    `max_loras` when unset, else vLLM's default 1. Setting it enables LoRA even without configured adapters
+    (adapters loaded later through `NodeAgent.LoadAdapter`)."""
     args: list[str] = []
     """Extra arguments appended to the launch command."""
     env: dict[str, str] = {}
@@ -247,7 +302,27 @@ class EngineConfig(BaseModel):
         for key in ("kv_connector", "kv_role", "engine_id", "kv_port", "kv_connector_extra_config"):
             if key in self.kv_transfer_config:
                 raise ValueError(f"{me}: kv_transfer_config.{key} is set by its own key or by the agent")
+        names = [a.name for a in self.adapters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"{me}: adapters: duplicate name {dupes[0]!r}")
+        if self.model in names:
+            raise ValueError(f"{me}: adapters: {self.model!r} is the engine's model name, not an adapter's")
+        lora_flags = ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-modules")
+        given = [a for a in self.args if a.split("=", 1)[0] in lora_flags]
+        if given:
+            raise ValueError(f"{me}: args: {given[0]} is set by the agent from adapters and max_loras")
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The engine serves LoRA adapters: some are configured, or `max_loras` is set."""
+        return bool(self.adapters) or self.max_loras is not None
+
+    @property
+    def lora_slots(self) -> int:
+        """`--max-loras`."""
+        return self.max_loras or DEFAULT_MAX_LORAS
 
     @property
     def world_size(self) -> int:

@@ -109,6 +109,8 @@ def heartbeat_message(sup: EngineSupervisor) -> registry_pb2.HeartbeatRequest:
                 )
                 for rank, (p, g) in sup.load.progress.items()
             ],
+            loaded_adapters=sup.adapters,
+            max_loras=sup.engine.lora_slots if sup.engine is not None and sup.engine.lora_enabled else 0,
         ),
     )
 

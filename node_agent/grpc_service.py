@@ -1,4 +1,5 @@
-"""The NodeAgent gRPC service: status, launch, stop and drain of this node's processes."""
+"""The NodeAgent gRPC service: status, launch, stop and drain of this node's processes; LoRA adapters of its
+engines (the coordinator's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from node_agent.adapters import Outcome, check_name, check_path
 from node_agent.coordinator_link import instance_message
 from node_agent.supervisor import EngineState, EngineSupervisor
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc
@@ -19,6 +21,16 @@ _STATES = {
     EngineState.FAILED: node_agent_pb2.ENGINE_STATE_FAILED,
     EngineState.DRAINING: node_agent_pb2.ENGINE_STATE_DRAINING,
     EngineState.UNRESPONSIVE: node_agent_pb2.ENGINE_STATE_UNRESPONSIVE,
+}
+
+
+#: The gRPC status of each adapter outcome (node_agent.proto, `LoadAdapter`).
+_ADAPTER_CODES = {
+    Outcome.ALREADY_LOADED: grpc.StatusCode.ALREADY_EXISTS,
+    Outcome.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Outcome.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Outcome.REFUSED: grpc.StatusCode.FAILED_PRECONDITION,
+    Outcome.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -111,3 +123,39 @@ class NodeAgentService(node_agent_pb2_grpc.NodeAgentServicer):
         if request.stop_engines:
             return node_agent_pb2.ShutdownResponse(stopping=running)
         return node_agent_pb2.ShutdownResponse(left_running=running)
+
+    async def _lora_engine(self, instance_id: str, context) -> EngineSupervisor:
+        sup = await self._find(instance_id, context)
+        if not sup.lora_engine:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"engine {instance_id!r} was not launched with LoRA: give its model `adapters` or `max_loras` in "
+                "the mesh file",
+            )
+        return sup
+
+    async def LoadAdapter(self, request, context) -> node_agent_pb2.LoadAdapterResponse:
+        problem = check_name(request.adapter_name) or check_path(request.adapter_path)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        sup = await self._lora_engine(request.instance_id, context)
+        result = await sup.load_adapter(request.adapter_name, request.adapter_path, request.load_inplace)
+        if result.outcome is not Outcome.OK:
+            await context.abort(
+                _ADAPTER_CODES[result.outcome],
+                f"engine {request.instance_id!r} did not load adapter {request.adapter_name!r}: {result.message}",
+            )
+        return node_agent_pb2.LoadAdapterResponse(loaded_adapters=sup.adapters)
+
+    async def UnloadAdapter(self, request, context) -> node_agent_pb2.UnloadAdapterResponse:
+        problem = check_name(request.adapter_name)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        sup = await self._lora_engine(request.instance_id, context)
+        result = await sup.unload_adapter(request.adapter_name)
+        if result.outcome is not Outcome.OK:
+            await context.abort(
+                _ADAPTER_CODES[result.outcome],
+                f"engine {request.instance_id!r} did not unload adapter {request.adapter_name!r}: {result.message}",
+            )
+        return node_agent_pb2.UnloadAdapterResponse(loaded_adapters=sup.adapters)

@@ -32,6 +32,9 @@ Facts, each read from the sources named here (2026 snapshots):
   (vllm/v1/engine/core.py, "ensure that the kv_transfer_config is unique for each DP rank").
 - `--data-parallel-rank` (external LB) is for MoE models; vLLM asks dense models to run independent engines
   (arg_utils.py help text): give a dense model one engine per rank with data_parallel_size 1.
+- LoRA: vllm/engine/arg_utils.py (`--enable-lora`, `--max-loras`, `--max-lora-rank` one of 1, 8, 16, ..., 512,
+  `--max-cpu-loras` >= `--max-loras`, default equal), vllm/entrypoints/serve/lora/api_router.py (the runtime
+  load/unload routes exist only with `VLLM_ALLOW_RUNTIME_LORA_UPDATING` 1/true); vLLM-Ascend takes the same flags.
 - KV events: vllm/distributed/kv_events.py: the publisher binds ipc endpoints and tcp endpoints with `*`; per DP rank
   `offset_endpoint_port` adds the rank to tcp ports and raises on ipc endpoints when the rank is not 0.
 """
@@ -45,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from node_agent.backends import Backend, ProcessLayout, get_backend
-from node_agent.config import MOONCAKE_TOPOLOGY_CONNECTORS, EngineConfig
+from node_agent.config import MOONCAKE_TOPOLOGY_CONNECTORS, EngineConfig, lora_rank_for
 
 
 class LaunchError(ValueError):
@@ -128,6 +131,26 @@ def kv_transfer_config(engine: EngineConfig, runtime_dir: str) -> dict | None:
     config.update(engine.kv_transfer_config)
     config["kv_connector_extra_config"] = extra
     return config
+
+
+#: The variable that makes vLLM (and simengine) serve `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def lora_args(engine: EngineConfig) -> list[str]:
+    """The LoRA flags of an engine that serves adapters (none otherwise). `--max-cpu-loras` keeps every configured
+    adapter's weights in memory (vLLM's default, `--max-loras`, would read evicted ones again at their next step)."""
+    if not engine.lora_enabled:
+        return []
+    slots = engine.lora_slots
+    argv = [
+        "--enable-lora",
+        "--max-loras",
+        str(slots),
+        "--max-lora-rank",
+        str(lora_rank_for(engine.adapters)),
+    ]
+    return argv + ["--max-cpu-loras", str(max(slots, len(engine.adapters)))]
 
 
 def _kv_events(engine: EngineConfig, runtime_dir: str, name: str, ranks: tuple[int, ...]) -> tuple[str, list]:
@@ -225,8 +248,11 @@ def build_launch(
         if engine.kv_events and not (engine.nnodes > 1 and node_rank > 0):
             events, sources = _kv_events(engine, runtime_dir, name, ranks)
             argv += ["--kv-events-config", events]
+        argv += lora_args(engine)
         argv += engine.args
         env = _devices_env(engine, backend, index, len(ranks))
+        if engine.lora_enabled:
+            env[RUNTIME_LORA_ENV] = "True"
         partition = (engine.kv_connector_extra_config.get("prefill") or {}).get("pp_layer_partition")
         if partition and engine.role == "prefill" and engine.pipeline_parallel_size > 1:
             env["VLLM_PP_LAYER_PARTITION"] = str(partition)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from node_agent.adapters import EngineAdapters, Outcome, Result
 from node_agent.backends import Backend, get_backend
 from node_agent.config import EngineConfig, NodeAgentConfig, RestartPolicy
 from node_agent.launch import LaunchSpec
@@ -44,6 +45,8 @@ from tandem.netaddr import join_host_port, split_host_port
 from tandem.restarts import RestartState, RestartTracker
 
 log = logging.getLogger(__name__)
+#: How often a LoRA engine's `/v1/models` is read again (adapters loaded or unloaded by others show up).
+ADAPTERS_REFRESH_S = 5.0
 
 
 class EngineState(enum.Enum):
@@ -141,6 +144,11 @@ class EngineSupervisor:
         self._kill_reason: str | None = (
             None  # why supervision killed the process (liveness), for its exit detail
         )
+        #: The LoRA adapters the engine serves, from its `/v1/models` (empty without LoRA or when not running).
+        self.adapters: list[str] = []
+        #: Configured adapters the engine refused at its last start, with the engine's message.
+        self.adapter_errors: dict[str, str] = {}
+        self._adapters_task: asyncio.Task | None = None
 
     @property
     def restarts(self) -> int:
@@ -363,6 +371,8 @@ class EngineSupervisor:
                 await asyncio.sleep(0.1)
             self.healthy = True
             await self._set(EngineState.RUNNING)
+            if self.lora_engine:  # loads and watches its adapters beside health and load
+                self._adapters_task = asyncio.create_task(self._watch_adapters(http))
             loop = asyncio.get_running_loop()
             next_probe = loop.time() + self.probe_interval_s
             scrapes = bool(self.base_url)
@@ -402,10 +412,71 @@ class EngineSupervisor:
             return exited.result()
         finally:
             self.healthy = False
+            self.adapters = []
+            if self._adapters_task is not None:
+                self._adapters_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._adapters_task
+                self._adapters_task = None
             if not exited.done():
                 exited.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await exited  # its pidfd reader is removed before anything closes the pidfd
+
+    @property
+    def lora_engine(self) -> bool:
+        """An engine with an API server launched with LoRA."""
+        return self.engine is not None and self.engine.lora_enabled and bool(self.base_url)
+
+    async def _watch_adapters(self, http: aiohttp.ClientSession) -> None:
+        """Loads the configured adapters (one the engine refuses is logged with its message and skipped: the
+        engine serves the others), then keeps `adapters` in step with the engine's `/v1/models`."""
+        assert self.engine is not None
+        client = EngineAdapters(self.base_url)
+        errors: dict[str, str] = {}
+        for adapter in self.engine.adapters:
+            result = await client.load(http, adapter.name, adapter.path)
+            if result.outcome in (Outcome.OK, Outcome.ALREADY_LOADED):  # loaded before: an adopted engine
+                continue
+            errors[adapter.name] = result.message
+            log.error(
+                "LoRA adapter not loaded; the engine serves the others",
+                extra={
+                    **self._log_fields(),
+                    "adapter": adapter.name,
+                    "path": adapter.path,
+                    "error": result.message,
+                },
+            )
+        self.adapter_errors = errors
+        while True:
+            listed = await client.listed(http)
+            if listed is not None and listed != self.adapters:
+                self.adapters = listed
+                if self.on_load is not None:
+                    self.on_load(self)
+            await asyncio.sleep(ADAPTERS_REFRESH_S)
+
+    async def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> Result:
+        """Loads an adapter into the running engine (`NodeAgent.LoadAdapter`); reports the new list at once."""
+        return await self._adapter_call(lambda c, h: c.load(h, name, path, load_inplace))
+
+    async def unload_adapter(self, name: str) -> Result:
+        """Unloads an adapter from the running engine (`NodeAgent.UnloadAdapter`)."""
+        return await self._adapter_call(lambda c, h: c.unload(h, name))
+
+    async def _adapter_call(self, call) -> Result:
+        if not self.healthy:
+            return Result(Outcome.UNAVAILABLE, f"engine {self.name!r} is {self.reported_state.name.lower()}")
+        client = EngineAdapters(self.base_url)
+        async with aiohttp.ClientSession() as http:
+            result = await call(client, http)
+            listed = await client.listed(http)
+        if listed is not None:
+            self.adapters = listed
+            if self.on_load is not None:
+                self.on_load(self)
+        return result
 
     async def _probe(self, http: aiohttp.ClientSession) -> bool:
         if self.tcp_health is not None:

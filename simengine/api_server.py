@@ -9,6 +9,7 @@ import signal
 import time
 import uuid
 from dataclasses import asdict
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -17,9 +18,10 @@ from simengine.config import EngineConfig
 from simengine.connectors.factory import create_connector
 from simengine.engine import Engine
 from simengine.kv_publisher import ZmqEventPublisher
+from simengine.lora import LoraError
 from simengine.metrics import EngineMetrics
 from simengine.openai_serving import VLLM_VERSION, OpenAIServing
-from simengine.protocol import APIError, json_response
+from simengine.protocol import APIError, json_response, pydantic_error
 from simengine.sampler import Sampler
 from tandem import tracing
 from tandem.tokenizer import load_tokenizer, prompt_token_ids
@@ -29,6 +31,8 @@ log = logging.getLogger("simengine")
 _TRACED_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
 #: The vLLM version simengine answers as (its wire behaviour is checked against it by tests/vllm).
 VERSION = VLLM_VERSION
+#: vLLM's switch for the runtime adapter routes (vllm/envs.py): "1" or "true", any case, spaces trimmed.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _SCALE_OUT_DISABLED = (
     "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 )
@@ -59,6 +63,8 @@ class EngineServer:
             cfg.enable_request_id_headers,
         )
         self.created = int(time.time())
+        self.runtime_lora = runtime_lora_allowed(os.environ)
+        self._load_static_loras()
         if cfg.otlp_traces_endpoint:  # as vLLM: the flag turns tracing on, the OTEL_* environment tunes it
             traced = tracing.from_env({**os.environ, tracing.OTLP_TRACES_ENDPOINT: cfg.otlp_traces_endpoint})
             tracing.setup(traced, os.environ.get("OTEL_SERVICE_NAME", "simengine"))
@@ -110,7 +116,22 @@ class EngineServer:
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_get("/metrics", self.metrics_endpoint)
+        if self.runtime_lora:  # as vLLM: without the variable the routes do not exist (404)
+            r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         return app
+
+    def _load_static_loras(self) -> None:
+        """`--lora-modules`, loaded before serving; one that cannot be loaded stops the start (as vLLM)."""
+        lora = self.engine.lora
+        for name, path, base in self.cfg.lora_modules:
+            assert lora is not None  # the config requires --enable-lora with --lora-modules
+            try:
+                lora.check_load(name, path)
+                rank = lora.read(name, path)
+            except LoraError as e:
+                raise ValueError(e.message) from None
+            lora.add(name, path, rank, base if base in self.cfg.served_model_names else None)
 
     # -- handlers ---------------------------------------------------------------------------------------------
 
@@ -141,8 +162,65 @@ class EngineServer:
         s = self.engine.scheduler
         return json_response({"server_load": len(s.running) + len(s.waiting) + len(s.remote_waiting)})
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's `/v1/load_lora_adapter`: `{"lora_name", "lora_path", "load_inplace"?}`; 200 with a plain-text
+        success line, or an error JSON (`simengine.lora` lists them). A successful load takes `--lora-load-ms`."""
+        try:
+            body = await self._lora_body(request, ("lora_name", "lora_path"))
+            lora = self.engine.lora
+            name, path = body["lora_name"], body["lora_path"]
+            if lora is None:
+                raise APIError("LoRA is not enabled. Use --enable-lora to enable LoRA.", 500)
+            lora.check_load(name, path, bool(body.get("load_inplace")))
+            rank = lora.read(name, path)
+        except APIError as e:
+            return e.response()
+        except LoraError as e:
+            return APIError(e.message, e.status, None, e.kind).response()
+        if self.cfg.lora_load_ms:
+            await asyncio.sleep(self.cfg.lora_load_ms / 1000 / self.cfg.speedup)
+        lora.add(name, path, rank)
+        log.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
+        return web.Response(body=f"Success: LoRA adapter '{name}' added successfully.".encode())
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's `/v1/unload_lora_adapter`: `{"lora_name"}`; the name is forgotten, requests naming it get 404."""
+        try:
+            body = await self._lora_body(request, ("lora_name",))
+            if self.engine.lora is None:
+                raise LoraError(
+                    f"The lora adapter '{body['lora_name']}' cannot be found.", "NotFoundError", 404
+                )
+            self.engine.lora.remove(body["lora_name"])
+        except APIError as e:
+            return e.response()
+        except LoraError as e:
+            return APIError(e.message, e.status, None, e.kind).response()
+        log.info("Removed LoRA adapter: name '%s'", body["lora_name"])
+        return web.Response(
+            body=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.".encode()
+        )
+
+    async def _lora_body(self, request: web.Request, required: tuple[str, ...]) -> dict:
+        """The JSON body with its required string fields, refused as vLLM's request models refuse it."""
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as e:
+            raise pydantic_error("json_invalid", "", f"JSON decode error: {e}", {}) from None
+        if not isinstance(body, dict):
+            raise pydantic_error(
+                "model_attributes_type", "", "Input should be a valid dictionary or object to extract fields from",
+                body,
+            )  # fmt: skip
+        for key in required:
+            if key not in body:
+                raise pydantic_error("missing", key, "Field required", body)
+            if not isinstance(body[key], str):
+                raise pydantic_error("string_type", key, "Input should be a valid string", body[key])
+        return body
+
     async def models(self, request: web.Request) -> web.Response:
-        data = [
+        data: list[dict[str, Any]] = [
             {
                 "id": name,
                 "object": "model",
@@ -170,6 +248,13 @@ class EngineServer:
             }
             for name in self.cfg.served_model_names
         ]
+        if self.engine.lora is not None:  # vLLM's adapter cards: root the path, parent the base model
+            for adapter in self.engine.lora.adapters.values():
+                card = dict(
+                    data[0], id=adapter.name, root=adapter.path, parent=adapter.parent, max_model_len=None
+                )
+                card["permission"] = [dict(data[0]["permission"][0], id=f"modelperm-{adapter.name}")]
+                data.append(card)
         return json_response({"object": "list", "data": data})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
@@ -302,3 +387,8 @@ class EngineServer:
             await self.connector.stop()
         await self.engine.stop()
         await runner.cleanup()
+
+
+def runtime_lora_allowed(environ) -> bool:
+    """vLLM's reading of VLLM_ALLOW_RUNTIME_LORA_UPDATING: "1" or "true" (any case, spaces trimmed)."""
+    return environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")

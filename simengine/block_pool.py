@@ -109,6 +109,8 @@ class BlockPool:
         parent: BlockHash | None,
         tokens: list[int],
         extra_keys: list[tuple | None] | None = None,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Marks newly full blocks as cached under their chain hashes; one `BlockStored` for them all, as
         vLLM's `cache_full_blocks` (content another block already holds is cached and announced again)."""
@@ -131,6 +133,8 @@ class BlockPool:
             extra_keys or [None] * len(hashes),
             0,
             SPEC_FULL_ATTENTION,
+            lora_id,
+            lora_name,
         )
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from simengine.block_hash import ALGORITHMS
 from simengine.connectors.factory import connector_names
 from simengine.kv_publisher import KVEventsConfig
+from simengine.lora import DEFAULT_LOAD_MS, DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RANKS, parse_lora_module
 from simengine.profiles import PROFILES
 
 
@@ -128,6 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs: waiting requests in arrival order; priority: by (priority, arrival), the largest "
                         "preempted first (vLLM's rule); requests may set `priority` only under this policy")  # fmt: skip
+    v.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters: `--lora-modules` at start, `/v1/load_lora_adapter` at run time "
+                        "(with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), requests naming one as `model`")  # fmt: skip
+    v.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS,
+                   help="adapters that may run in one step (default 1); other adapters' requests wait")  # fmt: skip
+    v.add_argument("--max-lora-rank", type=int, choices=RANKS, default=DEFAULT_MAX_LORA_RANK,
+                   help="largest adapter rank accepted (default 16)")  # fmt: skip
+    v.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters whose weights stay in memory, least recently used evicted (default --max-loras)")  # fmt: skip
+    v.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='adapters loaded at start: name=path or JSON {"name":..,"path":..,"base_model_name":..}')  # fmt: skip
     for flag in ("--disable-log-stats", "--enable-server-load-tracking"):
         v.add_argument(flag, action="store_true", help="accepted and ignored")
     v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -151,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a decode request waits for remote KV (trigger push or handoff pull)")  # fmt: skip
     s.add_argument("--kv-bytes-per-block", type=int, default=4096,
                    help="bytes sent over TCP per transferred block (a scaled-down stand-in for real KV)")  # fmt: skip
+    s.add_argument("--lora-load-ms", type=float, default=DEFAULT_LOAD_MS,
+                   help="time one adapter load takes: a load request, and a step that needs an adapter's weights "
+                        "evicted from memory (default 50, CPU vLLM's for a tiny adapter; divided by --speedup)")  # fmt: skip
     s.add_argument("--hash-seed", default=None,
                    help="seed of the first block's parent hash (default as vLLM: PYTHONHASHSEED, else a fixed "
                    "seed for sha256*, a random one for xxhash*)")  # fmt: skip
@@ -214,6 +229,14 @@ class EngineConfig:
     otlp_traces_endpoint: str | None = None
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
+    enable_lora: bool = False
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    #: None: `max_loras`, as vLLM.
+    max_cpu_loras: int | None = None
+    #: `--lora-modules` as (name, path, base model name or None).
+    lora_modules: list[tuple[str, str, str | None]] = field(default_factory=list)
+    lora_load_ms: float = DEFAULT_LOAD_MS
 
 
 def parse_config(argv: list[str] | None = None) -> EngineConfig:
@@ -232,6 +255,21 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.speedup <= 0:
         parser.error("--speedup must be > 0")
+    lora_modules = []
+    for item in a.lora_modules or []:
+        if item:
+            try:
+                lora_modules.append(parse_lora_module(item))
+            except ValueError as e:
+                parser.error(str(e))
+    if a.max_loras < 1:
+        parser.error("--max-loras must be >= 1")
+    if a.max_cpu_loras is not None and a.max_cpu_loras < a.max_loras:
+        parser.error(f"max_cpu_loras ({a.max_cpu_loras}) must be >= max_loras ({a.max_loras}).")
+    if lora_modules and not a.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    if a.lora_load_ms < 0:
+        parser.error("--lora-load-ms must be >= 0")
     if not 0 <= a.data_parallel_rank < max(a.data_parallel_size, a.data_parallel_rank + 1):
         parser.error("--data-parallel-rank must be >= 0")
     return EngineConfig(
@@ -274,4 +312,10 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
         otlp_traces_endpoint=a.otlp_traces_endpoint,
         gpu_memory_utilization=a.gpu_memory_utilization,
         scheduling_policy=a.scheduling_policy,
+        enable_lora=a.enable_lora,
+        max_loras=a.max_loras,
+        max_lora_rank=a.max_lora_rank,
+        max_cpu_loras=a.max_cpu_loras,
+        lora_modules=lora_modules,
+        lora_load_ms=a.lora_load_ms,
     )

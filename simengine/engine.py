@@ -16,6 +16,7 @@ from simengine.block_hash import BlockHasher
 from simengine.config import EngineConfig
 from simengine.events import EventSink
 from simengine.kv_cache_manager import KVCacheManager
+from simengine.lora import LoraRegistry
 from simengine.metrics import EngineMetrics
 from simengine.profiles import PROFILES
 from simengine.request import Request, Status
@@ -50,9 +51,20 @@ class Engine:
             offload=cfg.offload,
             hasher=BlockHasher(cfg.prefix_caching_hash_algo, cfg.hash_seed),
         )
+        #: The adapters this engine serves (`--enable-lora`), else None.
+        self.lora: LoraRegistry | None = None
+        if cfg.enable_lora:
+            self.lora = LoraRegistry(
+                cfg.served_model_names, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras
+            )
+            metrics.enable_lora(cfg.max_loras)
         self.scheduler = Scheduler(
-            self.kv, sampler, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduling_policy
-        )
+            self.kv, sampler, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduling_policy,
+            cfg.max_loras if cfg.enable_lora else 0,
+        )  # fmt: skip
+        #: Adapter name -> ids of its requests that produced output and have not finished, in the order the
+        #: adapters appeared (vLLM's `LoRARequestStates`, whose keys label `vllm:lora_requests_info`).
+        self._lora_requests: dict[str, set[str]] = {}
         #: Called with the requests whose remote KV transfer must start (set by the P/D connector).
         self.on_remote_kv: Callable[[list[Request]], None] | None = None
         self._wake = asyncio.Event()
@@ -68,7 +80,16 @@ class Engine:
         self.metrics.num_requests_waiting.set(len(self.scheduler.waiting))
         self._wake.set()
 
+    def _lora_done(self, request: Request) -> None:
+        if request.lora is not None:
+            ids = self._lora_requests.get(request.lora.name)
+            if ids is not None:
+                ids.discard(request.request_id)
+                if not ids:
+                    del self._lora_requests[request.lora.name]
+
     def abort(self, request: Request) -> None:
+        self._lora_done(request)
         if not request.is_finished:
             self.scheduler.abort(request)
             self.metrics.success["abort"].inc()
@@ -79,6 +100,7 @@ class Engine:
         detokenizer does)."""
         request.finish_reason = "stop"
         request.stop_reason = stop
+        self._lora_done(request)
         if not request.is_finished:
             self.scheduler.abort(request, Status.FINISHED_STOPPED)
             self.metrics.success["stop"].inc()
@@ -89,6 +111,7 @@ class Engine:
         """Ends a request with an error (P/D timeouts); its output callback sees it finished."""
         if request.is_finished:
             return
+        self._lora_done(request)
         self.scheduler.abort(request, Status.FINISHED_ERROR)
         request.finish_reason = "error"
         request.stop_reason = message
@@ -174,6 +197,8 @@ class Engine:
                 out.load_tokens_cpu,
                 out.load_tokens_disk,
             )
+            if self.lora is not None:
+                dt += self._lora_loads(out) * self.cfg.lora_load_ms / 1000
             vclock += dt / self.speedup
             now = loop.time()
             if vclock > now:
@@ -195,10 +220,18 @@ class Engine:
             produced = sched.update(out)
             self.steps += 1
             self._deliver(produced)
+            if self.lora is not None:  # as vLLM, whose stats update after every step sets it
+                m.set_lora_info(",".join(self._lora_requests), time.time())
             if self.publisher is not None and self.sink.events:
                 self._publish()
             if self.steps % 8 == 0:
                 self._update_gauges()
+
+    def _lora_loads(self, out) -> int:
+        """Adapters of this step whose weights were evicted from memory (`--max-cpu-loras`) and are read again."""
+        lora = self.lora
+        assert lora is not None
+        return sum(1 for req, _ in out.scheduled if req.lora is not None and lora.touch(req.lora))
 
     def _deliver(self, produced: list[Request]) -> None:
         now = time.monotonic()
@@ -216,6 +249,11 @@ class Engine:
                 m.itl.observe(now - req.last_token_time)
             req.last_token_time = now
             finished = req.is_finished
+            if req.lora is not None:
+                if finished:
+                    self._lora_done(req)
+                else:
+                    self._lora_requests.setdefault(req.lora.name, set()).add(req.request_id)
             if finished:
                 self._finish_metrics(req, now)
             cb = req.on_output
@@ -258,9 +296,12 @@ class Engine:
         sched = self.scheduler
         m.num_requests_running.set(len(sched.running))
         m.num_requests_waiting.set(len(sched.waiting) + len(sched.remote_waiting))
-        m.waiting_capacity.set(len(sched.waiting))
-        m.waiting_deferred.set(len(sched.remote_waiting))
+        deferred = min(sched.num_deferred, len(sched.waiting))  # skipped for an adapter slot last step
+        m.waiting_capacity.set(len(sched.waiting) - deferred)
+        m.waiting_deferred.set(len(sched.remote_waiting) + deferred)
         m.kv_cache_usage_perc.set(self.kv.usage())
+        if self.lora is not None and self.steps:
+            m.set_lora_info(",".join(self._lora_requests), time.time())
         kv = self.kv
         if kv.queries != self._queries:
             m.prefix_cache_queries.inc(kv.queries - self._queries)

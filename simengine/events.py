@@ -34,6 +34,10 @@ class BlockStored:
     #: None for the simulator's lower tiers.
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    #: The LoRA adapter of the request that filled the blocks (vLLM's `lora_int_id` and name); None for the base
+    #: model.
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -72,10 +76,14 @@ class EventSink:
         extra_keys: list[tuple | None] | None = None,
         group_idx: int | None = None,
         spec_kind: str | None = None,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
     ):
         if self.enabled and hashes:
             self.events.append(
-                BlockStored(hashes, parent, tokens, bs, medium, extra_keys, group_idx, spec_kind)
+                BlockStored(
+                    hashes, parent, tokens, bs, medium, extra_keys, group_idx, spec_kind, lora_id, lora_name
+                )
             )
 
     def removed(self, block_hash: BlockHash, medium: str, group_idx: int | None = None) -> None:

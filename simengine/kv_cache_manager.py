@@ -13,9 +13,21 @@ from simengine.tiers import TierCache
 
 
 def block_extra_keys(request: Request, block_index: int) -> tuple | None:
-    """vLLM's per-block extra hash keys: the cache salt on the first block (no LoRA or multimodal here)."""
+    """vLLM's per-block extra hash keys, in its order: the adapter's `("lora", name, path)` on every block of a
+    LoRA request, then the cache salt on the first block (no multimodal here)."""
+    keys: list[tuple] = []
+    if request.lora is not None:
+        keys.append(("lora", request.lora.name, request.lora.path))
     if block_index == 0 and request.cache_salt:
-        return (("cache_salt", request.cache_salt),)
+        keys.append(("cache_salt", request.cache_salt))
+    return tuple(keys) if keys else None
+
+
+def event_extra_keys(request: Request, block_index: int) -> tuple | None:
+    """The same keys untagged, as vLLM's events carry them (`to_event_extra_keys`): the adapter's bare name and
+    the bare salt."""
+    keys = block_extra_keys(request, block_index)
+    return None if keys is None else tuple(key[1] for key in keys)
     return None
 
 
@@ -170,12 +182,12 @@ class KVCacheManager:
         blocks = self.pool.blocks
         new = [blocks[i] for i in request.block_ids[start:full]]
         parent = request.block_hashes[start - 1] if start else None
-        salt = request.cache_salt
-        # Events carry the extra keys untagged: the bare salt on the first block.
-        extra = [(salt,) if (i == 0 and salt) else None for i in range(start, full)]
+        extra = [event_extra_keys(request, i) for i in range(start, full)]
+        lora = request.lora
         self.pool.cache_full_blocks(
-            new, request.block_hashes[start:full], parent, request.token_slice(start * bs, full * bs), extra
-        )
+            new, request.block_hashes[start:full], parent, request.token_slice(start * bs, full * bs), extra,
+            lora.int_id if lora is not None else None, lora.name if lora is not None else None,
+        )  # fmt: skip
         request.num_cached_blocks = full
 
     def free(self, request: Request) -> None:

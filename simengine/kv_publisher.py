@@ -98,9 +98,9 @@ def _event_map(ev: KVEvent) -> dict:
             "parent_block_hash": ev.parent_block_hash,
             "token_ids": ev.token_ids,
             "block_size": ev.block_size,
-            "lora_id": None,
+            "lora_id": ev.lora_id,
             "medium": ev.medium,
-            "lora_name": None,
+            "lora_name": ev.lora_name,
         }
         if ev.extra_keys is not None:
             out["extra_keys"] = ev.extra_keys
@@ -129,9 +129,9 @@ def _event_array(ev: KVEvent) -> list:
             ev.parent_block_hash,
             ev.token_ids,
             ev.block_size,
-            None,
+            ev.lora_id,
             ev.medium,
-            None,
+            ev.lora_name,
         ]
     if isinstance(ev, BlockRemoved):
         return ["BlockRemoved", ev.block_hashes, ev.medium]

@@ -58,6 +58,8 @@ class EngineMetrics:
         labels = ("model_name", "engine")
         lv = (model_name, engine)
         self._engine = engine
+        self.lora_info: Gauge | None = None
+        self._max_lora = ""
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r, multiprocess_mode="all").labels(*lv)
@@ -283,6 +285,20 @@ class EngineMetrics:
         gauge = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", ("engine", *info),
                       registry=self.registry, multiprocess_mode="mostrecent")  # fmt: skip
         gauge.labels(self._engine, *info.values()).set(1)
+
+    def enable_lora(self, max_loras: int) -> None:
+        """`vllm:lora_requests_info`, which vLLM exports only with `--enable-lora`: a gauge set to the wall clock at
+        each stats update, labelled with `max_lora` and the comma-joined names of the adapters that have requests
+        in flight. vLLM fills `running_lora_adapters` and `waiting_lora_adapters` from the keys of one map, so both
+        name the same adapters; every combination seen stays as its own series."""
+        self._max_lora = str(max_loras)
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                               registry=self.registry, multiprocess_mode="sum")  # fmt: skip
+
+    def set_lora_info(self, adapters: str, now: float) -> None:
+        if self.lora_info is not None:
+            self.lora_info.labels(self._max_lora, adapters, adapters).set(now)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

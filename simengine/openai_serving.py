@@ -22,6 +22,7 @@ from simengine.encoders.interface import Answer, ApiEncoder, Choice, EncoderTool
 from simengine.encoders.registry import create_encoders
 from simengine.engine import Engine
 from simengine.logprobs import LogprobsBuilder
+from simengine.lora import LoraAdapter
 from simengine.protocol import APIError, Params, encode, invalid, json_response, parse_params, pydantic_error
 from simengine.request import Request, SamplingParams, Status
 from simengine.sampler import seed_key
@@ -108,7 +109,8 @@ class OpenAIServing:
         model = body.get("model")
         if model is None:
             return self.model_names[0]
-        if model not in self.model_names:
+        lora = self.engine.lora
+        if model not in self.model_names and (lora is None or lora.get(model) is None):
             raise APIError(
                 f"The model `{model}` does not exist. Valid aliases: {', '.join(self.model_names)}.",
                 404,
@@ -170,7 +172,8 @@ class OpenAIServing:
             return e.response()
         header_id = request.headers.get("X-Request-Id")
         base = header_id or uuid.uuid4().hex[:16]
-        return await self._generate(request, self.encoders[api], model, params, prompts, base)
+        adapter = self.engine.lora.get(model) if self.engine.lora is not None else None
+        return await self._generate(request, self.encoders[api], model, params, prompts, base, adapter)
 
     def _max_tokens(self, params: Params, num_prompt: int) -> int:
         """vLLM's budget: `max_tokens` above the context is an error, otherwise it is cut to what fits."""
@@ -190,7 +193,12 @@ class OpenAIServing:
         return budget
 
     def _make_requests(
-        self, encoder: ApiEncoder, params: Params, prompts: list[list[int]], base: str
+        self,
+        encoder: ApiEncoder,
+        params: Params,
+        prompts: list[list[int]],
+        base: str,
+        adapter: LoraAdapter | None = None,
     ) -> _Group:
         group = _Group()
         now = time.monotonic()
@@ -211,6 +219,7 @@ class OpenAIServing:
                     on_output=_on_output,
                     cache_salt=params.cache_salt,
                     priority=params.priority,
+                    lora=adapter,
                 )
                 seq = Choice(req, p_idx * params.n + j)
                 req.user = (seq, group)
@@ -223,10 +232,10 @@ class OpenAIServing:
         return group
 
     async def _generate(
-        self, request, encoder: ApiEncoder, model, params, prompts, base
+        self, request, encoder: ApiEncoder, model, params, prompts, base, adapter: LoraAdapter | None = None
     ) -> web.StreamResponse:
         try:
-            group = self._make_requests(encoder, params, prompts, base)
+            group = self._make_requests(encoder, params, prompts, base, adapter)
         except APIError as e:
             return e.response()
         for seq in group.seqs:

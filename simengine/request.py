@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
+from simengine.lora import LoraAdapter
+
 #: A block's chain hash as published on the wire (vLLM's int form: an unsigned 64-bit integer).
 BlockHash = NewType("BlockHash", int)
 
@@ -61,6 +63,9 @@ class Request:
     block_digests: list[bytes] = field(default_factory=list)
     #: vLLM's `cache_salt`: an extra hash key of the first block, so salted prompts share nothing unsalted.
     cache_salt: str | None = None
+    #: The LoRA adapter the request names as `model` (None: the base model). Its name and path key every block
+    #: hash, as vLLM's `("lora", name, path)` extra key.
+    lora: LoraAdapter | None = None
     #: vLLM's `priority` (smaller first under `--scheduling-policy priority`; ignored under `fcfs`).
     priority: int = 0
     #: Leading blocks of `block_ids` already cached under their hashes.

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from simengine.kv_cache_manager import KVCacheManager
+from simengine.lora import may_schedule
 from simengine.request import Request, Status
 from simengine.sampler import Sampler
 
@@ -58,6 +59,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
+        max_loras: int = 0,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
@@ -76,6 +78,10 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         self.stats = StepStats()
+        #: `--max-loras` (0: LoRA off): distinct adapters that may run in one step.
+        self.max_loras = max_loras
+        #: Waiting requests the last step skipped because their adapter found no slot (vLLM's "deferred").
+        self.num_deferred = 0
 
     @property
     def has_work(self) -> bool:
@@ -194,8 +200,15 @@ class Scheduler:
         if out.preempted:
             return out
         waiting = self.waiting
+        max_loras = self.max_loras
+        active = {r.lora.int_id for r in running if r.lora is not None} if max_loras else set()
+        #: Skipped for want of an adapter slot; back at the front of the queue, in order, after this step.
+        skipped: list[Request] = []
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting[0]
+            if max_loras and not may_schedule(active, req.lora, max_loras):
+                skipped.append(waiting.popleft())
+                continue
             computed = kv.get_computed_blocks(req)
             hit = computed.num_blocks * kv.block_size
             if req.num_cached_tokens < 0:
@@ -217,8 +230,13 @@ class Scheduler:
                 self.stats.local_cache_hit += hit
             req.status = Status.RUNNING
             running.append(req)
+            if req.lora is not None:
+                active.add(req.lora.int_id)
             self._add(out, req, n)
             budget -= n
+        if skipped:
+            waiting.extendleft(reversed(skipped))
+        self.num_deferred = len(skipped)
         return out
 
     def _unschedule(self, out: SchedulerOutput, req: Request) -> int:

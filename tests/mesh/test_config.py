@@ -185,3 +185,63 @@ def test_tracing_is_off_by_default_and_names_its_collector():
         {"tracing": {"otlp_endpoint": "otel.monitoring:4317", "sample_ratio": 0.5}}, "mesh.yaml"
     ).tracing
     assert tracing.enabled and tracing.endpoint_url == "http://otel.monitoring:4317"
+
+
+def _lora_mesh(model: dict, engine: dict | None = None) -> dict:
+    return {
+        "models": [model],
+        "node_agents": [
+            {
+                "node_id": "n",
+                "engines": [{"instance_id": "e", "model": model["name"], "port": 7100, **(engine or {})}],
+            }
+        ],
+    }
+
+
+def test_model_adapters_and_max_loras_reach_its_engines():
+    model = {"name": "m", "max_loras": 2, "adapters": [{"name": "sql", "path": "/a/sql"}, {"name": "chat",
+             "path": "org/chat-lora", "max_rank": 64}]}  # fmt: skip
+    engine = parse_mesh_config(_lora_mesh(model)).node_agents[0].engines[0]
+    assert [(a.name, a.path, a.max_rank) for a in engine.adapters] == [
+        ("sql", "/a/sql", None),
+        ("chat", "org/chat-lora", 64),
+    ]
+    assert engine.max_loras == 2 and engine.lora_enabled
+    own = parse_mesh_config(_lora_mesh(model, {"max_loras": 4, "adapters": [{"name": "x", "path": "/x"}]}))
+    engine = own.node_agents[0].engines[0]
+    assert engine.max_loras == 4 and [a.name for a in engine.adapters] == ["x"]
+    plain = parse_mesh_config(_lora_mesh({"name": "m"})).node_agents[0].engines[0]
+    assert not plain.lora_enabled and plain.max_loras is None
+
+
+@pytest.mark.parametrize(
+    ("model", "engine", "message"),
+    [
+        ({"name": "m", "adapters": [{"name": "a"}]}, None, "models[0].adapters[0].path: Field required"),
+        ({"name": "m", "adapters": [{"name": "a", "path": "/a", "rank": 8}]}, None,
+         "models[0].adapters[0].rank: unknown key"),
+        ({"name": "m", "adapters": [{"name": "a", "path": "/a", "max_rank": 1024}]}, None,
+         "models[0].adapters[0].max_rank: 1024 is above vLLM's largest --max-lora-rank 512"),
+        ({"name": "m", "adapters": [{"name": "a,b", "path": "/a"}]}, None,
+         "models[0].adapters[0].name: 'a,b': an adapter name cannot contain ','"),
+        ({"name": "m", "adapters": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]}, None,
+         "models[0]: adapters: duplicate name 'a'"),
+        ({"name": "m", "adapters": [{"name": "m", "path": "/a"}]}, None, "models[0]: adapters: 'm' is the model's own"),
+        ({"name": "m", "max_loras": 0}, None, "models[0].max_loras: Input should be greater than or equal to 1"),
+        ({"name": "m"}, {"max_loras": 0}, "node_agents[0].engines[0].max_loras: Input should be greater than or"),
+        ({"name": "m"}, {"args": ["--max-loras", "3"]},
+         "engines[0]: engine 'e': args: --max-loras is set by the agent from adapters and max_loras"),
+    ],
+)  # fmt: skip
+def test_adapter_config_errors_name_the_key(model, engine, message):
+    with pytest.raises(ConfigError) as info:
+        parse_mesh_config(_lora_mesh(model, engine))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_adapter_named_like_another_model_is_refused():
+    data = _lora_mesh({"name": "m", "adapters": [{"name": "other", "path": "/a"}]})
+    data["models"].append({"name": "other"})
+    with pytest.raises(ConfigError, match=r"models\[0\].adapters: 'other' is also a model's name"):
+        parse_mesh_config(data)

@@ -302,3 +302,30 @@ def test_every_backend_launches_each_layout_as_the_golden_table(case):
         fields["kv_events"] = [[s.dp_rank, s.endpoint, s.replay_endpoint] for s in spec.kv_events]
         seen.append(fields)
     assert seen == entry["launch"]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "vllm-ascend", "simengine"])
+def test_lora_flags_and_runtime_variable(backend):
+    adapters = [{"name": "a", "path": "/a"}, {"name": "b", "path": "/b", "max_rank": 20},
+                {"name": "c", "path": "/c"}]  # fmt: skip
+    spec = build_launch(engine(instance_id="l", backend=backend, adapters=adapters, max_loras=2), RUN)[0]
+    argv = spec.argv
+    at = argv.index("--enable-lora")
+    # rank 20 needs vLLM's next value, 32; every configured adapter stays in memory (3 > max_loras 2)
+    assert argv[at : at + 7] == [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "32",
+        "--max-cpu-loras",
+        "3",
+    ]
+    assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    only_slots = build_launch(engine(instance_id="l", backend=backend, max_loras=1), RUN)[0]
+    assert (
+        "--max-lora-rank" in only_slots.argv
+        and only_slots.argv[only_slots.argv.index("--max-lora-rank") + 1] == "16"
+    )
+    plain = build_launch(engine(instance_id="l", backend=backend), RUN)[0]
+    assert "--enable-lora" not in plain.argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.env

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.error
@@ -16,11 +17,14 @@ from tests.helpers import ROOT, free_port, wait_until
 class EngineProc:
     """A running `python -m simengine`; `url` is its base URL."""
 
-    def __init__(self, *args: str, wait: bool = True) -> None:
+    def __init__(self, *args: str, wait: bool = True, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "simengine", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        environ = {**os.environ, **env} if env else None
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ
+        )
         if wait:
             self.wait_ready()
 
@@ -93,8 +97,8 @@ def engines():
     """Factory: `engines(*args)` starts an engine; all are stopped at teardown."""
     started: list[EngineProc] = []
 
-    def start(*args: str, wait: bool = True) -> EngineProc:
-        e = EngineProc(*args, wait=wait)
+    def start(*args: str, wait: bool = True, env: dict[str, str] | None = None) -> EngineProc:
+        e = EngineProc(*args, wait=wait, env=env)
         started.append(e)
         return e
 

@@ -73,10 +73,13 @@ def _events_config(workdir: Path, name: str) -> tuple[str, str, str]:
     return json.dumps(config), pub, replay
 
 
-def start_engines(workdir: Path, algo: str = "sha256", extra: tuple[str, ...] = ()) -> tuple[Engine, Engine]:
-    """Real vLLM and simengine with the same model, block size, limits, KV event config and hash seed."""
+def start_engines(
+    workdir: Path, algo: str = "sha256", extra: tuple[str, ...] = (), environ: dict[str, str] | None = None
+) -> tuple[Engine, Engine]:
+    """Real vLLM and simengine with the same model, block size, limits, KV event config and hash seed (`extra`
+    flags and `environ` variables given to both)."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(environ or {})}  # fmt: skip
     common = ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--block-size", str(BLOCK_SIZE),
               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enable-request-id-headers",
               "--prefix-caching-hash-algo", algo, *extra]  # fmt: skip
