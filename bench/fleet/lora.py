@@ -389,7 +389,7 @@ def run_row(job) -> tuple[FleetResult, int]:
 def run(
     workloads: Sequence[LoraWorkload],
     lora: LoraSpec = LoraSpec(),
-    engine: EngineSpec = EngineSpec(),
+    engine: EngineSpec | None = None,
     workers: int = 0,
     progress=None,
 ) -> list[LoraResult]:
@@ -399,6 +399,7 @@ def run(
 
     from bench.fleet.runs import _token_ids
 
+    engine = engine or EngineSpec()
     word_ids = _token_ids()
     jobs = [(w, label, lora, engine, word_ids) for w in workloads for label in ROWS]
     workers = workers or os.cpu_count() or 1
