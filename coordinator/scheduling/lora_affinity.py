@@ -9,26 +9,34 @@ with requests in flight would park the request until one drains; it is a candida
 
 For each candidate, with `base` the `kv_affinity` blend cost in prompt tokens (prefill still to compute, the
 adapter's own KV hits credited: the conductor's match is per adapter, `tandem.chain_hash.adapter_root`, plus the
-weighted work left on the instance):
+weighted work left on the instance), and `load` = `cold_load_s` turned into prompt tokens at the candidate's
+learned prefill cost (`coordinator.latency`; the default prior while none is learned):
 
-    cold      = cold_load_s / prefill_s_per_token * (1 + inflight)     # 0 where `a` is resident
-    evict     = cold_load_s / prefill_s_per_token                      # when a resident adapter must go
-    score     = base + cold + evict                                    # no instance holds `a` yet
-    score     = base + spread_factor * (cold + evict)                  # some instance holds `a` (hysteresis)
+    cold      = cold_weight * load                                    # 0 where `a` is resident
+    evict     = cold_weight * load * min(1, rate(victim) * rate_window_s)   # no free slot: an idle adapter goes
+    score     = base + cold + evict                                   # no instance holds `a` yet
+    score     = base + spread_factor * (cold + evict)                 # some instance holds `a` (hysteresis)
 
-`cold` is the load's time turned into prompt tokens at the candidate's learned prefill cost
-(`coordinator.latency`, the default prior while none is learned): loading stalls the engine, so every request in
-flight there waits too. While an instance holds the adapter, a second placement must relieve `spread_factor`
-times its cost in load before it is taken (sticky placements; adapters do not thrash between instances), and
-evicting an idle resident adapter costs one more load (it will be loaded again somewhere when its next request
-comes). Ties go to fewer in-flight requests, then in turn.
+A second placement of an adapter is taken only when the load it relieves is worth its cost (`spread_factor`
+times it: sticky placements, adapters do not move for a small load difference). Evicting costs what the victim
+will cost to load again: the victim is the engine's least recently used idle adapter as this coordinator saw it
+(its own routing history), weighed by how often that adapter was requested lately (`rate_window_s`), so a popular
+adapter is not pushed out for a rare one while another instance has a colder slot. Ties go to fewer in-flight
+requests, then in turn.
 
 | parameter | default | meaning |
 |---|---|---|
 | `cold_load_s` | 0.25 | seconds to load an adapter into a slot (measured on the engines; `docs/scheduling.md`) |
-| `spread_factor` | 2.0 | hysteresis: how many times its load cost a new placement must relieve while the adapter is resident elsewhere |
+| `cold_weight` | 0.4 | share of a load's time counted against the queue (see below) |
+| `spread_factor` | 1.0 | hysteresis: how many times its load cost a new placement must relieve while the adapter is resident elsewhere (>= 1) |
 | `placement_memory_s` | 1.0 | a placement counts as resident for this long before the heartbeat shows it |
+| `rate_window_s` | 30.0 | time scale of the adapters' request rates (eviction cost) |
 | every `kv_affinity` parameter | as there | the base cost (`load_weight`, `pressure_scale`, ...) |
+
+The defaults are measured in the fleet simulator (`python -m bench.fleet lora`, `docs/benchmarks.md`): charging
+the whole load time (`cold_weight` 1) and a `spread_factor` of 2 kept hot adapters on too few instances of a
+32-instance fleet (their queues cost more than the loads saved) and sent requests away from instances holding the
+adapter's KV but not the adapter (the prefix was computed again elsewhere; the hit rate fell by a sixth).
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ class Params(kv_affinity.Params):
     """See the module docstring (and `kv_affinity.Params` for the base cost)."""
 
     cold_load_s: float = 0.25
-    spread_factor: float = 2.0
+    cold_weight: float = 0.4
+    spread_factor: float = 1.0
     placement_memory_s: float = 1.0
     rate_window_s: float = 30.0
 
@@ -87,14 +96,14 @@ def slots(c: Candidate, adapter: str, recent: frozenset[str] = frozenset()) -> S
 def cold_tokens(p: Params, c: Candidate) -> float:
     """An adapter load on `c` in prompt tokens: the time the request waits for it at `c`'s prefill speed."""
     per_token = c.costs.prefill if c.costs is not None and c.costs.prefill > 0 else DEFAULT_PRIOR.prefill
-    return p.cold_load_s / per_token
+    return p.cold_weight * p.cold_load_s / per_token
 
 
 def evict_tokens(p: Params, c: Candidate, victim_rate: float) -> float:
     """Evicting an idle resident adapter requested `victim_rate` times a second: the share of a load it will need
     again within `rate_window_s`, in prompt tokens."""
     per_token = c.costs.prefill if c.costs is not None and c.costs.prefill > 0 else DEFAULT_PRIOR.prefill
-    return p.cold_load_s / per_token * min(1.0, victim_rate * p.rate_window_s)
+    return p.cold_weight * p.cold_load_s / per_token * min(1.0, victim_rate * p.rate_window_s)
 
 
 class LoraAffinity:
