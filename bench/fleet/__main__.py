@@ -525,8 +525,8 @@ def cmd_lora(args, progress=None) -> tuple[str, list]:
     results = run(workloads, lora, workers=args.workers, progress=progress)
     w = workloads[0]
     caption = (
-        f"LoRA routing in the fleet simulator: Zipf(s={w.zipf_s:g}) adapter popularity (shifting: re-ranked at "
-        f"random {w.phases} times over the run), {args.requests_per_instance} requests per instance (the first tenth "
+        f"LoRA routing in the fleet simulator: Zipf(s={w.zipf_s:g}) adapter popularity (shifting: {w.phases} "
+        f"phases of equal length, the adapters re-ranked at random at each new one), {args.requests_per_instance} requests per instance (the first tenth "
         f"warm up), each the adapter's {w.prefix_tokens}-token system prompt plus {w.suffix_tokens[0]}-"
         f"{w.suffix_tokens[1]} tokens of its own, {w.output_tokens} output tokens; Poisson arrivals at "
         f"{args.load:.0%} of the fleet's prefill capacity (every prompt token counted); {args.max_loras} adapter "
