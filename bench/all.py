@@ -97,6 +97,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "fleet-pd.md",
     ),
     (
+        "lora",
+        "LoRA adapters in the fleet simulator: Zipf popularity over 50 and 500 adapters, slots and cold loads",
+        ["bench.fleet", "lora", "--output-dir", "{out}"],
+        "fleet-lora.md",
+    ),
+    (
         "scale",
         "Fleet scale: 8, 64 and 512 instances",
         ["bench.fleet", "scale", "--output-dir", "{out}"],

@@ -88,6 +88,19 @@ same token ids with the same policies objects, the conductor's index and simengi
 model in virtual time. Each real-time row runs in a fresh client process: when the kv_affinity mesh was the second one
 started by the same process, its real-time TTFT came out 16-25% above the simulator's, reproducibly (four runs),
 while as the first or only one it agreed within 4% (three runs); the cause is not found yet.""",
+    "lora": """Issue 26's LoRA routing in the fleet simulator (`bench/fleet/lora.py`): each request names an
+adapter (Zipf popularity, s = 1, over 50 or 500 adapters; "shifting" re-ranks the adapters at random twice during
+the run), every engine holds `max_loras` adapters (LRU among idle ones; a request waits while every slot holds an
+adapter with requests in flight) and a cold load stalls the engine's next step; KV blocks are per adapter (each
+prompt starts with its adapter's system prompt, as vLLM's per-adapter hashes separate them). A run spans about
+44 simulated seconds. Rows: `kv_affinity` blind to adapters (it still sees each adapter's KV), llm-d's default
+profile with its `lora-affinity-scorer` at weight 1 (llm-d-router `loraaffinity` scorer), Dynamo's LoRA controller
+and filter ahead of its KV cost (ai-dynamo/dynamo `lib/llm/src/lora/`: `controller.rs`, `filter.rs`,
+`routing/hrw.rs`; with its default 3 s controller and with a 0.25 s one), and Tandem's `lora_affinity`. The
+goal column states issue 26's target: Tandem's mean and p99 TTFT at least 25% below every other row's and at
+least 5x fewer cold loads than the adapter-blind row. Cold loads are counted for measured requests only (the
+first tenth of each run warms the caches). The simulator's engines load adapters on demand; Tandem does not yet
+ask agents to preload or unload adapters.""",
     "scale": """The conversation trace is tiled: one copy (disjoint hash ids: an independent user population) per
 8 instances at arrivals x2.5, so the load per instance is that of the replay above at every size. TTFT and hit
 rate are simulated; decision time is the wall-clock cost per request of the coordinator's and conductor's own

@@ -115,10 +115,15 @@ def walk(space: BlockSpace, hashes: list[int], alive: int, deadline: float | Non
 
 
 def prompt_hashes(
-    space: BlockSpace, model: str, token_ids, block_hashes, block_size: int
+    space: BlockSpace, model: str, token_ids, block_hashes, block_size: int, adapter: str = ""
 ) -> list[int] | None:
-    """The chain hashes to walk in `space`: from the tokens, or the given hashes when their block size fits."""
-    root = lora_root(model) if model != space.model else None
+    """The chain hashes to walk in `space`: from the tokens (chained from the adapter's root: `adapter`, else
+    `model` when it names an adapter of the space), or the given hashes when their block size fits."""
+    root: int | None
+    if adapter:
+        root = lora_root(adapter)
+    else:
+        root = lora_root(model) if model != space.model else None
     if token_ids:
         return chain_hashes(token_ids, space.block_size, parent=root)
     if block_hashes and block_size == space.block_size:
@@ -134,10 +139,13 @@ def match(
     block_size: int = 0,
     candidates=(),
     deadline: float | None = None,
+    adapter: str = "",
 ) -> MatchResult:
     """Hits of a prompt (token ids, or chain hashes of `block_size`) on the instances of `model`.
 
-    `candidates` restricts the answer to these instance ids; `deadline` is a `time.perf_counter()` value.
+    `candidates` restricts the answer to these instance ids; `deadline` is a `time.perf_counter()` value;
+    `adapter` the LoRA adapter the prompt runs under (only its blocks count; `block_hashes` chained from
+    `tandem.chain_hash.adapter_root(adapter)`).
     """
     wanted = set(candidates)
     hits: list[InstanceHit] = []
@@ -152,7 +160,7 @@ def match(
             alive = (1 << space._next_slot) - 1
         if not alive:
             continue
-        hashes = prompt_hashes(space, model, token_ids, block_hashes, block_size)
+        hashes = prompt_hashes(space, model, token_ids, block_hashes, block_size, adapter)
         if not hashes:
             continue
         counts, cut = walk(space, hashes, alive, deadline)

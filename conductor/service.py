@@ -166,6 +166,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
             block_size=req.block_size,
             candidates=req.candidate_instance_ids,
             deadline=deadline,
+            adapter=req.adapter,
         )
 
     async def GetIndexStats(self, request, context: grpc.aio.ServicerContext):

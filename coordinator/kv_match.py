@@ -21,7 +21,7 @@ import grpc
 from coordinator import metrics
 from coordinator.kv_facts import NO_MATCH, KvMatch
 from tandem import tracing
-from tandem.chain_hash import chain_hashes
+from tandem.chain_hash import adapter_root, chain_hashes
 from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
@@ -103,12 +103,14 @@ class ConductorMatcher:
         candidates: Sequence[str],
         block_size: int = 0,
         hashes: Sequence[int] | None = None,
+        adapter: str = "",
     ) -> dict[str, KvMatch] | None:
         """Per candidate id, the best DP rank's hits; None when the conductor could not answer in time.
 
         With the candidates' common `block_size`, the prompt goes as its chain hashes (`tandem.chain_hash`, the
         conductor's own function; `hashes` when the caller has them already): a tenth of the bytes and no token
-        conversion on the conductor's side."""
+        conversion on the conductor's side). `adapter`: the LoRA adapter the prompt runs under (only its blocks
+        count; `hashes` must then be chained from `tandem.chain_hash.adapter_root(adapter)`)."""
         if not self.connected or self._outbox.full():
             metrics.MATCH_FALLBACKS.labels("unavailable").inc()
             return None
@@ -118,13 +120,17 @@ class ConductorMatcher:
         fut = asyncio.get_running_loop().create_future()
         self._pending[wire_id] = fut
         request = conductor_pb2.MatchRequest(
-            request_id=wire_id, model=model, candidate_instance_ids=candidates
+            request_id=wire_id, model=model, candidate_instance_ids=candidates, adapter=adapter
         )
         request.deadline.FromNanoseconds(int((time.time() + self.timeout_s) * 1e9))
         if tracing.ENABLED:
             request.traceparent = tracing.traceparent()
         if block_size:
-            request.block_hashes.extend(hashes if hashes is not None else chain_hashes(token_ids, block_size))
+            if hashes is None:
+                hashes = chain_hashes(
+                    token_ids, block_size, parent=adapter_root(adapter) if adapter else None
+                )
+            request.block_hashes.extend(hashes)
             request.block_size = block_size
         else:
             request.token_ids.extend(token_ids)

@@ -81,7 +81,15 @@ def encode_instance(put: InstancePut) -> bytes:
             "verified": put.verified,
         },
         separators=(",", ":"),
+        default=_sorted_list,
     ).encode()
+
+
+def _sorted_list(value: object) -> list:
+    """JSON for the load's adapter sets (`EngineLoad.adapters`): a sorted list."""
+    if isinstance(value, frozenset | set):
+        return sorted(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def decode_instance(value: bytes) -> InstancePut:
@@ -91,6 +99,7 @@ def decode_instance(value: bytes) -> InstancePut:
         info = InstanceInfo(**data["info"])
         known = {f.name for f in dataclasses.fields(EngineLoad)}
         load = EngineLoad(**{k: v for k, v in data.get("load", {}).items() if k in known})
+        load.adapters, load.active_adapters = frozenset(load.adapters), frozenset(load.active_adapters)
         return InstancePut(info, Health[data["health"]], load, bool(data.get("verified", True)))
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not an instance record: {exc}") from None

@@ -24,12 +24,26 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-def lora_root(lora_name: str | None) -> int:
-    """The chain root of a LoRA adapter's blocks: pass it as `parent` to hash an adapter's prompt.
+def adapter_root(adapter: str | None) -> int:
+    """The chain root of a LoRA adapter's blocks: pass it as `parent` to hash a prompt run under `adapter`.
+
+    vLLM (0.32, `vllm/v1/core/kv_cache_utils.py`, `_gen_lora_extra_hash_keys`) adds the adapter to every block's
+    hash as an extra key, `("lora", lora_name, lora_path)` (the name, not the int id, since the int id is per
+    process), and its KV events carry it as `lora_name` (`lora_id` is kept, deprecated). Because a block's hash
+    covers its parent's, seeding the chain with the adapter's name gives the same partition as vLLM's per-block
+    key: two prompts get equal hashes here exactly when vLLM's are equal for the same adapter, and blocks cached
+    under one adapter are never found for another adapter or for the base model (`tests/vllm/test_lora_hashes.py`
+    checks this against vLLM's own `hash_block_tokens`). vLLM also keys on the adapter's path, which events do not
+    carry: a name re-pointed at another path makes the engine miss where the conductor still sees a hit (a worse
+    routing guess, never a wrong cache hit: the engine checks its own hashes).
 
     The base model (None or "") chains from `ROOT_SEED`.
     """
-    return ROOT_SEED if not lora_name else _xxh3(lora_name.encode())
+    return ROOT_SEED if not adapter else _xxh3(adapter.encode())
+
+
+#: Former name of `adapter_root`.
+lora_root = adapter_root
 
 
 def token_bytes(token_ids: Sequence[int] | array | bytes) -> bytes:

@@ -24,6 +24,14 @@ class EngineLoad:
     kv_blocks: int = 0
     #: Per DP rank, the cumulative `vllm:prefix_cache_hits_total` (prompt tokens found cached); empty when absent.
     prefix_hits: dict[int, int] = field(default_factory=dict)
+    #: LoRA adapters resident on the engine (its `max_loras` slots), by name: the seam the node agent fills from
+    #: the heartbeat's `EngineLoad.loaded_adapters`; empty when the engine serves no adapters or does not say.
+    adapters: frozenset[str] = frozenset()
+    #: Adapters with requests running or waiting on the engine (vLLM's `vllm:lora_requests_info`
+    #: `running_lora_adapters` and `waiting_lora_adapters`): a subset of `adapters` that cannot be evicted now.
+    active_adapters: frozenset[str] = frozenset()
+    #: Adapter slots of the engine (vLLM's `--max-loras`; heartbeat `EngineLoad.max_loras`); 0: not reported.
+    max_loras: int = 0
 
 
 def parse_load(text: str) -> EngineLoad:

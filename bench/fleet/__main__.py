@@ -10,6 +10,7 @@ time, in-process, so a whole trace replays against 8 to 512 instances in minutes
                                   [--prefill N] [--mode handoff|trigger]   # P/D rules, each at its best P:D split
     python -m bench.fleet pd --trace FILE --requests N --rate R --instances N --npu-blocks B --nodes N
     python -m bench.fleet overload [--instances 4] [--bursts 1.5 3] [--steady 0.8]   # SLO-aware admission
+    python -m bench.fleet lora    [--adapters 50 500] [--sizes 8 32] [--max-loras 4] [--load-s 0.25]   # LoRA routing
     python -m bench.fleet routing [--full] [--workloads ...] [--sizes 4] [--cache-sizes 2048 4096 8192 16384]
                                   [--loads 0.6 0.9 1.2] [--seeds 0]
 
@@ -503,6 +504,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def cmd_lora(args, progress=None) -> tuple[str, list]:
+    from bench.fleet.lora import LoraSpec, LoraWorkload, run, table
+
+    workloads = [
+        LoraWorkload(
+            adapters=a,
+            instances=n,
+            shifting=shifting,
+            requests=n * args.requests_per_instance,
+            warmup=n * args.requests_per_instance // 10,
+            load=args.load,
+            seed=args.seed,
+        )
+        for a in args.adapters
+        for n in args.sizes
+        for shifting in (False, True)
+    ]
+    lora = LoraSpec(max_loras=args.max_loras, load_s=args.load_s)
+    results = run(workloads, lora, workers=args.workers, progress=progress)
+    w = workloads[0]
+    caption = (
+        f"LoRA routing in the fleet simulator: Zipf(s={w.zipf_s:g}) adapter popularity (shifting: {w.phases} "
+        f"phases of equal length, the adapters re-ranked at random at each new one), {args.requests_per_instance} requests per instance (the first tenth "
+        f"warm up), each the adapter's {w.prefix_tokens}-token system prompt plus {w.suffix_tokens[0]}-"
+        f"{w.suffix_tokens[1]} tokens of its own, {w.output_tokens} output tokens; Poisson arrivals at "
+        f"{args.load:.0%} of the fleet's prefill capacity (every prompt token counted); {args.max_loras} adapter "
+        f"slots per engine, a cold load stalls the engine {args.load_s:g} s; ascend-910b timing, 2048 NPU blocks "
+        f"of 16 tokens per engine; seed {args.seed}. TTFT in simulated ms."
+    )
+    return caption + "\n\n" + table(results), results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -571,6 +604,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--output-dir", help="write fleet-overload.md here")
     s.set_defaults(signal=None)
+    s = sub.add_parser("lora", help="LoRA adapters: Zipf popularity, slots, cold loads; four routers")
+    s.add_argument("--adapters", type=int, nargs="+", default=[50, 500])
+    s.add_argument("--sizes", type=int, nargs="+", default=[8, 32], help="instances")
+    s.add_argument("--requests-per-instance", type=int, default=150, help="requests per instance of a run")
+    s.add_argument("--max-loras", type=int, default=4, help="adapter slots per engine")
+    s.add_argument("--load-s", type=float, default=0.25, help="seconds one adapter load stalls the engine")
+    s.add_argument("--load", type=float, default=0.6, help="arrivals: share of prefill capacity")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--workers", type=int, default=0)
+    s.add_argument("--output-dir", help="write fleet-lora.md here")
+    s.set_defaults(signal=None)
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
@@ -589,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
             text, _ = cmd_routing(args, bar.update)
         elif args.cmd == "pd":
             text, _ = cmd_pd(args, bar.update)
+        elif args.cmd == "lora":
+            text, _ = cmd_lora(args, bar.update)
         elif args.cmd == "overload":
             from bench.fleet.overload import cmd_overload
 

@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 from bench.fleet.instance import EngineSpec, SimInstance
@@ -242,7 +242,7 @@ class Fleet:
         hashes: tuple[int, ...] = ()
         if self.policy.needs_match:
             hashes = tuple(chain_hashes(prompt, self.cfg.engine.block_size))
-            facts = RequestFacts(facts.request_id, facts.model, facts.isl, facts.max_tokens, hashes)
+            facts = replace(facts, prompt_hashes=hashes)
             matches = {}
             if self.index is not None:
                 for hit in conductor_match(

@@ -29,6 +29,9 @@ class RequestFacts:
     #: Chain hashes (`tandem.chain_hash`) of the first prompt's full blocks at the candidates' block size, when the
     #: policy `needs_match` and the candidates share one block size; empty otherwise.
     prompt_hashes: Sequence[int] = ()
+    #: The LoRA adapter the request names (its `model` when that is an adapter of the base model); "" for the
+    #: base model. `prompt_hashes` are then chained from the adapter (`tandem.chain_hash.adapter_root`).
+    adapter: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,13 @@ from a generator seeded by `seed`):
   estimates matches from its own routing history; its precise variant uses KV events, as here);
 - KV utilisation (`kv_utilization_weight`, default 2): `1 - kv_cache_usage`;
 - queue (`queue_weight`, default 2): `(max_waiting - waiting) / (max_waiting - min_waiting)` over the candidates,
-  1 when all are equal. Utilisation and queue come from the engines' `/metrics`, as the agents report them.
+  1 when all are equal. Utilisation and queue come from the engines' `/metrics`, as the agents report them;
+- LoRA affinity (`lora_affinity_weight`, default 1, as llm-d's LoRA profile weighs its `lora-affinity-scorer`), for
+  a request naming an adapter only: 1 when the adapter has requests running or waiting there
+  (`EngineLoad.active_adapters`, vLLM's `vllm:lora_requests_info`), else 0.8 while the adapters with requests there
+  are fewer than `max_loras`, else 0 (llm-d-router `pkg/epp/framework/plugins/scheduling/scorer/loraaffinity`,
+  `LoraAffinityScorer.Score`, 2026: its 0.6 for "waiting only" is unreachable with vLLM, where waiting implies
+  active).
 
 Freshness: llm-d's endpoint picker scrapes every endpoint's metrics every 50 ms by default
 (`--refresh-metrics-interval`); Tandem's node agents relay them every `load_interval_s` (0.25 s). The fleet
@@ -35,11 +41,20 @@ class Params:
     prefix_weight: float = 3.0
     kv_utilization_weight: float = 2.0
     queue_weight: float = 2.0
+    lora_affinity_weight: float = 1.0
     seed: int = 0
 
 
 def _clamp(x: float) -> float:
     return min(1.0, max(0.0, x))
+
+
+def lora_score(c: Candidate, adapter: str) -> float:
+    """llm-d's `lora-affinity-scorer`: 1 active there, 0.8 while a slot is free, else 0."""
+    load = c.state.load
+    if adapter in load.active_adapters:
+        return 1.0
+    return 0.8 if len(load.active_adapters) < load.max_loras else 0.0
 
 
 class LlmD:
@@ -69,6 +84,7 @@ class LlmD:
                 p.prefix_weight * _clamp(prefix)
                 + p.kv_utilization_weight * _clamp(kv)
                 + p.queue_weight * _clamp(queue)
+                + (p.lora_affinity_weight * lora_score(c, request.adapter) if request.adapter else 0.0)
             )
         return totals
 

@@ -26,6 +26,13 @@ where the second term charges the stall the prefill puts into the inter-token ga
 there (each waits about the prefill's time once): the local choice wins for short uncached prompts (no transfer,
 no second engine's step), prompts mostly cached on a decode instance, and when the prefill pool is saturated
 while a decode instance has slack.
+
+LoRA: a request for an adapter needs it on both legs (the prefill engine computes the prompt's KV with it, the
+decode engine decodes with it). Each leg that does not hold the adapter (`EngineLoad.adapters`) adds
+`adapter_load_s` to the pair's TTFT (it loads it first), and `adapter_wait_s` instead when every one of its slots
+holds an adapter with requests in flight (the request waits for one to drain): a pair holding the adapter on both
+sides wins unless the other is faster by more than those loads. The conductor's match of each leg is the
+adapter's own (`RequestFacts.adapter`, `tandem.chain_hash.adapter_root`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 
 from coordinator.latency import DEFAULT_PRIOR, StepCosts, tpot_s, ttft_s
 from coordinator.scheduling.interface import Candidate
+from coordinator.scheduling.lora_affinity import slots
 from coordinator.scheduling.params import parse_params
 from coordinator.topology import Topology, Transfers
 
@@ -59,6 +67,10 @@ class Params:
     interference: float = 1.0
     #: Token budget per engine step (vLLM `--max-num-batched-tokens`), for the steps a prefill takes.
     step_budget: int = STEP_BUDGET
+    #: Seconds a leg takes to load a LoRA adapter it does not hold (measured on the engines).
+    adapter_load_s: float = 0.25
+    #: Seconds charged to a leg whose adapter slots are all busy (the request waits for one to drain).
+    adapter_wait_s: float = 1.0
 
     def check(self) -> str | None:
         if self.top_k < 1:
@@ -161,35 +173,50 @@ class PdJoint:
         least = min(d.state.load.kv_cache_usage for d in decodes)
         return [d for d in decodes if d.state.load.kv_cache_usage == least]
 
-    def choose(self, isl: int, prefills: Sequence[Candidate], decodes: Sequence[Candidate]) -> PairChoice:
+    def adapter_s(self, c: Candidate, adapter: str) -> float:
+        """What getting `adapter` onto `c` adds to the request's TTFT (0 for the base model or where it is held)."""
+        if not adapter:
+            return 0.0
+        view = slots(c, adapter)
+        if view.resident:
+            return 0.0
+        return self.params.adapter_wait_s if view.blocked else self.params.adapter_load_s
+
+    def choose(
+        self, isl: int, prefills: Sequence[Candidate], decodes: Sequence[Candidate], adapter: str = ""
+    ) -> PairChoice:
         """The pair (or, with `local`, the lone decode instance) with the lowest predicted TTFT; ties go to the
         instance ids in order. At least one decode candidate is required; without prefill candidates the request
-        is served locally."""
+        is served locally. `adapter`: the LoRA adapter both legs need ("" for the base model)."""
         if not decodes:
             raise ValueError("choose needs at least one decode candidate")
         p = self.params
         pool = self.decode_pool(decodes)
         fastest = min((self.topology.of(self.node_of(d)).intra.bandwidth for d in pool), default=math.inf)
-        ps = sorted(prefills, key=lambda c: (self.prefill_s(c, isl), c.instance_id))[: p.top_k]
+        ps = sorted(
+            prefills, key=lambda c: (self.prefill_s(c, isl) + self.adapter_s(c, adapter), c.instance_id)
+        )[: p.top_k]
         ds = sorted(
             pool,
             key=lambda d: (
-                self.first_step_s(d, isl) + _uncached(d, isl) * p.kv_bytes_per_token / fastest,
+                self.first_step_s(d, isl)
+                + _uncached(d, isl) * p.kv_bytes_per_token / fastest
+                + self.adapter_s(d, adapter),
                 d.instance_id,
             ),
         )[: p.top_k]
         best: tuple[tuple[float, str, str], PairChoice] | None = None
         for pc in ps:
-            before = self.prefill_s(pc, isl)
+            before = self.prefill_s(pc, isl) + self.adapter_s(pc, adapter)
             for dc in ds:
                 moved_s, tokens, cross = self.transfer(pc, dc, isl)
-                ttft = before + moved_s + self.first_step_s(dc, isl)
+                ttft = before + moved_s + self.first_step_s(dc, isl) + self.adapter_s(dc, adapter)
                 key = (ttft, pc.instance_id, dc.instance_id)
                 if best is None or key < best[0]:
                     best = (key, PairChoice(pc, dc, ttft, moved_s, tokens, cross))
         if self.local or not ps:
             for dc in ds:
-                cost = self.local_s(dc, isl)
+                cost = self.local_s(dc, isl) + self.adapter_s(dc, adapter)
                 key = (cost, "", dc.instance_id)
                 if best is None or key < best[0]:
                     best = (key, PairChoice(None, dc, cost, 0.0, 0, False))

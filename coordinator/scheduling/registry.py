@@ -10,7 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.scheduling import dynamo, kv_affinity, least_load, llm_d, round_robin, sglang_cache_aware
+from coordinator.scheduling import (
+    dynamo,
+    kv_affinity,
+    least_load,
+    llm_d,
+    lora_affinity,
+    round_robin,
+    sglang_cache_aware,
+)
 from coordinator.scheduling.interface import Policy, PolicyType
 from coordinator.scheduling.params import as_dict, parse_params
 
@@ -36,6 +44,7 @@ def register_builtin_policies() -> None:
     register(dynamo.POLICY)
     register(sglang_cache_aware.POLICY)
     register(llm_d.POLICY)
+    register(lora_affinity.POLICY)
 
 
 def policy_types() -> list[str]:

@@ -211,3 +211,18 @@ def test_deadline_truncates_conservatively():
     assert res.truncated
     for hit in res.instances:
         assert hit.matched_tokens <= 32
+
+
+def test_match_with_an_adapter_counts_that_adapters_blocks_only():
+    from tandem.chain_hash import adapter_root
+
+    # The same prompt cached under two adapters and the base model, on three instances.
+    ix = run([S("a", 0, 0, 8, lora="sql"), S("b", 0, 0, 4, lora="chat"), S("c", 0, 0, 2)])
+    assert answer(ix, adapter="sql") == {"a": (32, 0, {0: (8, 0, 0)})}
+    assert answer(ix, adapter="chat") == {"b": (16, 0, {0: (4, 0, 0)})}
+    assert answer(ix) == {"c": (8, 0, {0: (2, 0, 0)})}  # the base model: no adapter's blocks
+    assert answer(ix, adapter="never-loaded") == {}
+    assert answer(ix, model="sql", adapter="chat") == {"b": (16, 0, {0: (4, 0, 0)})}  # the field wins
+    hashes = chain_hashes(PROMPT, BS, parent=adapter_root("sql"))
+    res = match(ix, "m", block_hashes=hashes, block_size=BS, adapter="sql")
+    assert [(h.instance_id, h.matched_tokens) for h in res.instances] == [("a", 32)]

@@ -128,3 +128,24 @@ async def test_conductor_drops_requests_past_their_deadline(conductor_server):
     answered = [reply.request_id async for reply in conductor_server.stub.Match(feed())]
     assert answered == ["fresh", "none"]
     assert conductor_server.conductor.service.expired_matches == 1
+
+
+async def test_match_for_an_adapter_counts_only_that_adapters_blocks(conductor_server):
+    base, lora = (
+        block_stored([11, 12], None, PROMPT[: 2 * BS]),
+        block_stored([21, 22, 23], None, PROMPT[: 3 * BS]),
+    )
+    lora.block_stored.lora_name = "sql"
+    await ingest(conductor_server, ingest_batch("base", 1, [base]), ingest_batch("sql", 1, [lora]))
+    matcher = ConductorMatcher(conductor_server.address, timeout_s=2.0)
+    matcher.start()
+    await eventually(lambda: matcher.connected, 5, "the Match stream")
+    ids = ["base", "sql"]
+    plain = await matcher.match("r1", "m", PROMPT, ids, block_size=BS)
+    sql = await matcher.match("r2", "m", PROMPT, ids, block_size=BS, adapter="sql")
+    by_tokens = await matcher.match("r3", "m", PROMPT, ids, adapter="sql")
+    other = await matcher.match("r4", "m", PROMPT, ids, block_size=BS, adapter="chat")
+    await matcher.close()
+    assert plain == {"base": KvMatch(2, 0, 0, BS)}
+    assert sql == by_tokens == {"sql": KvMatch(3, 0, 0, BS)}
+    assert other == {}

@@ -41,6 +41,8 @@ def test_apply_is_idempotent_and_keeps_drain_flags():
 def test_instance_record_round_trip():
     put = InstancePut(INFO, Health.HEALTHY, EngineLoad(running=1, waiting=2, kv_cache_usage=0.5))
     assert decode_instance(encode_instance(put)) == put
+    lora = EngineLoad(adapters=frozenset({"b", "a"}), active_adapters=frozenset({"a"}), max_loras=4)
+    assert decode_instance(encode_instance(InstancePut(INFO, Health.HEALTHY, lora))).load == lora
     with pytest.raises(ValueError):
         decode_instance(b'{"x": 1}')
 

@@ -21,3 +21,21 @@ def test_scores_are_weighted_sums():
 )
 def test_picks_highest_score(params, candidates, expected):
     assert create_policy("llm_d", params).pick(facts(isl=160), candidates).instance_id == expected
+
+
+def test_lora_affinity_scorer_as_llm_d_scores_it():
+    from dataclasses import replace
+
+    from coordinator.scheduling.llm_d import LlmD, lora_score
+
+    def lora(c, active, max_loras=2):
+        c.state.load.active_adapters, c.state.load.max_loras = frozenset(active), max_loras
+        return c
+
+    active, free, full = lora(cand("a"), ["x"]), lora(cand("f"), ["y"]), lora(cand("u"), ["y", "z"])
+    assert [lora_score(c, "x") for c in (active, free, full)] == [1.0, 0.8, 0.0]
+    request = replace(facts(), adapter="x")
+    assert LlmD().pick(request, [full, free, active]).instance_id == "a"
+    assert (
+        LlmD().scores(facts(), [full, active]) == LlmD().scores(facts(), [active, full])[::-1]
+    )  # base: no term

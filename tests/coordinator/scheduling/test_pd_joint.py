@@ -137,3 +137,25 @@ def test_a_prefill_instance_for_a_decode_instance_already_chosen_counts_the_tran
     assert choice.prefill.instance_id == "p-near" and not choice.cross_node  # never local, even adaptive
     with pytest.raises(ValueError, match="prefill_for needs"):
         joint.prefill_for(ISL, [], d("d0"))
+
+
+def lora(c, adapters=(), active=(), max_loras=2):
+    c.state.load.adapters, c.state.load.active_adapters = frozenset(adapters), frozenset(active)
+    c.state.load.max_loras = max_loras
+    return c
+
+
+def test_both_legs_of_a_lora_request_are_chosen_with_the_adapter_in_mind():
+    joint = create()
+    ps = [lora(p("p0"), ["sql"]), lora(p("p1"))]
+    ds = [lora(d("d0")), lora(d("d1"), ["sql"])]
+    choice = joint.choose(ISL, ps, ds, adapter="sql")
+    assert (choice.prefill.instance_id, choice.decode.instance_id) == ("p0", "d1")
+    assert joint.choose(ISL, ps, ds).prefill.instance_id == "p0"  # base model: ties to the ids in order
+    assert joint.choose(ISL, ps, ds).decode.instance_id == "d0"
+    # A holder much busier than the load costs loses to loading the adapter elsewhere.
+    busy = [lora(p("p0", prefill=20000), ["sql"]), lora(p("p1"))]
+    assert joint.choose(ISL, busy, ds, adapter="sql").prefill.instance_id == "p1"
+    # A decode instance whose slots are all busy waits longer than one that loads it.
+    full = [lora(d("d0"), ["a", "b"], active=["a", "b"]), lora(d("d1"), ["a"], active=["a"])]
+    assert joint.choose(ISL, ps, full, adapter="sql").decode.instance_id == "d1"

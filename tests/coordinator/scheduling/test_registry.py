@@ -14,6 +14,7 @@ def test_builtins_are_registered_once():
         "kv_affinity",
         "least_load",
         "llm_d",
+        "lora_affinity",
         "round_robin",
         "sglang_cache_aware",
     ]
@@ -22,7 +23,13 @@ def test_builtins_are_registered_once():
 
 
 def test_policies_with_parameters_own_one_scheduler_section_each():
-    assert list(param_sections()) == ["kv_affinity", "dynamo", "sglang_cache_aware", "llm_d"]
+    assert list(param_sections()) == [
+        "kv_affinity",
+        "dynamo",
+        "sglang_cache_aware",
+        "llm_d",
+        "lora_affinity",
+    ]
     assert all(policy.name == section for section, policy in param_sections().items())
     with pytest.raises(ValueError, match="section 'dynamo' is registered twice"):
         register(PolicyType("dynamo_again", dynamo.Params, dynamo.create, section="dynamo"))
