@@ -7,11 +7,12 @@ The queue is the coordinator's own pure core (`coordinator/flow_control.py`: `Fl
 `predict`, `meets`), fed what the coordinator has: the workload ledger following the engines' progress counters,
 the latency model learning their step costs, and their load reports every `load_interval_s`. Heads are checked
 on every request's end and every load report, as the shell (`coordinator/flow_gate.py`) does. A refused request
-is counted as a 429 and not retried.
+is counted as a 429 and not retried. The admission is a pluggable `Admission`: none ("off"), Tandem's queue
+(`TandemAdmission`), or a peer's (`bench.fleet.peer_admission`: llm-d's and Dynamo's, from their sources).
 
 Per tier: SLO attainment (requests whose TTFT, counted from arrival and so including the wait in the queue, and
 mean TPOT meet the tier's SLO, over every request sent, refused ones included), TTFT p50/p99 of the served ones,
-goodput (output tokens a second of the requests that met their SLO) and 429s.
+goodput (output tokens a second of the requests that met their SLO) and refusals (429, or a peer's 503/529).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class Admission:
     with `fleet.dispatch` (now or later) or `fleet.refuse`. The default does nothing: every request goes at once."""
 
     label = "off"
+    holds = False  # whether it can hold requests (a queue peak to report)
 
     def bind(self, fleet: OverloadFleet) -> None:
         self.fleet = fleet
@@ -160,6 +162,7 @@ class TandemAdmission(Admission):
 
     def __init__(self, slos: dict[Tier, TierSlo], headroom: float) -> None:
         self.queue = FlowQueue(slos, headroom=headroom)
+        self.holds = True
         self.label = "on, headroom 1" if headroom == 1.0 else f"on, headroom {headroom:g}"
         self._waiting: dict[Entry, tuple[float, TrafficClass]] = {}
 
@@ -228,8 +231,6 @@ class OverloadFleet:
         self.policy = create_policy("least_load", None)
         if admission is None:
             admission = TandemAdmission(cfg.slos, cfg.headroom) if cfg.admission else Admission()
-        self.admission = admission
-        admission.bind(self)
         self.result = OverloadResult({c.tier: TierResult() for c in TRAFFIC}, 0.0)
         self._heap: list = []
         self._seq = 0
@@ -237,6 +238,8 @@ class OverloadFleet:
         # id(request) -> [commitment, class, arrival, first token at, instance, key]
         self._live: dict[int, list] = {}
         self._keys = 0
+        self.admission = admission
+        admission.bind(self)
 
     def push(self, at: float, kind: int, obj) -> None:
         heapq.heappush(self._heap, (at, self._seq, kind, obj))
@@ -412,31 +415,33 @@ def cmd_overload(args, progress) -> tuple[str, list]:
         f"the burst for {base.burst_s:g} s, {base.steady:.0%} for {base.steady_s:g} s; Poisson, seed {base.seed}. "
         "SLOs: the defaults (priority TTFT 1 s / TPOT 0.1 s, flex 10 s / 0.3 s); TTFT from arrival, in simulated ms.",
         "",
-        "| burst | admission | tier | sent | 429 | SLO met | TTFT p50 | TTFT p99 | goodput tok/s | queue peak |",
+        "| burst | admission | tier | sent | refused | SLO met | TTFT p50 | TTFT p99 | goodput tok/s | queue peak |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
-    # Admission off, on without headroom (lower tiers may fill all of priority's TTFT SLO), and as it ships.
-    variants = (
-        ("off", False, 1.0),
-        ("on, headroom 1", True, 1.0),
-        (f"on, headroom {DEFAULT_HEADROOM:g}", True, DEFAULT_HEADROOM),
-    )
+    # Admission off, on without headroom (lower tiers may fill all of priority's TTFT SLO), as it ships, and the
+    # peers' admission (bench.fleet.peer_admission) with their defaults.
+    from bench.fleet.peer_admission import peer_variants
+
+    variants = [
+        lambda cfg: Admission(),
+        lambda cfg: TandemAdmission(cfg.slos, 1.0),
+        lambda cfg: TandemAdmission(cfg.slos, DEFAULT_HEADROOM),
+    ] + [lambda cfg, make=make: make() for make in (peer_variants() if getattr(args, "peers", True) else [])]
     for burst in args.bursts:
-        for label, admission, headroom in variants:
-            cfg = OverloadConfig(
-                **{**base.__dict__, "burst": burst, "admission": admission, "headroom": headroom}
-            )
-            result = OverloadFleet(cfg).run(arrivals(rate, cfg))
+        for make in variants:
+            cfg = OverloadConfig(**{**base.__dict__, "burst": burst})
+            admission = make(cfg)
+            result = OverloadFleet(cfg, admission).run(arrivals(rate, cfg))
             assert result.residual == 0, "the ledger kept requests after the last end"
             progress(1)
             for c in TRAFFIC:
                 t = result.tiers[c.tier]
                 lines.append(
-                    f"| {burst:g}x | {label} | {c.tier.value} | {t.sent} | {t.refused} "
+                    f"| {burst:g}x | {admission.label} | {c.tier.value} | {t.sent} | {t.refused} "
                     f"| {t.met / t.sent:.0%} | {percentile(t.ttft_s, 50) * 1000:.0f} "
                     f"| {percentile(t.ttft_s, 99) * 1000:.0f} | {result.goodput(c.tier):.0f} | "
-                    f"{result.queue_peak if admission else '-'} |"
+                    f"{result.queue_peak if admission.holds else '-'} |"
                 )
-                rows.append((burst, admission, c.tier.value, t, result))
+                rows.append((burst, admission.label, c.tier.value, t, result))
     return "\n".join(lines), rows
