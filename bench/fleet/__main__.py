@@ -9,7 +9,7 @@ time, in-process, so a whole trace replays against 8 to 512 instances in minutes
     python -m bench.fleet pd      [--workloads ...] [--sizes 8] [--nodes 2] [--loads 0.6 0.9] [--seeds 0]
                                   [--prefill N] [--mode handoff|trigger]   # P/D rules, each at its best P:D split
     python -m bench.fleet pd --trace FILE --requests N --rate R --instances N --npu-blocks B --nodes N
-    python -m bench.fleet overload [--instances 4] [--bursts 1.5 3] [--steady 0.8]   # SLO-aware admission
+    python -m bench.fleet overload [--instances 4] [--bursts 1.5 3] [--steady 0.8] [--no-peers]   # admission
     python -m bench.fleet lora    [--adapters 50 500] [--sizes 8 32] [--max-loras 4] [--load-s 0.25]   # LoRA routing
     python -m bench.fleet routing [--full] [--workloads ...] [--sizes 4] [--cache-sizes 2048 4096 8192 16384]
                                   [--loads 0.6 0.9 1.2] [--seeds 0]
@@ -602,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--steady-s", type=float, default=60.0)
     s.add_argument("--burst-s", type=float, default=30.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--peers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the peers' admission rows (llm-d, Dynamo: bench.fleet.peer_admission)",
+    )
     s.add_argument("--output-dir", help="write fleet-overload.md here")
     s.set_defaults(signal=None)
     s = sub.add_parser("lora", help="LoRA adapters: Zipf popularity, slots, cold loads; four routers")

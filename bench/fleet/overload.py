@@ -7,11 +7,12 @@ The queue is the coordinator's own pure core (`coordinator/flow_control.py`: `Fl
 `predict`, `meets`), fed what the coordinator has: the workload ledger following the engines' progress counters,
 the latency model learning their step costs, and their load reports every `load_interval_s`. Heads are checked
 on every request's end and every load report, as the shell (`coordinator/flow_gate.py`) does. A refused request
-is counted as a 429 and not retried.
+is counted as a 429 and not retried. The admission is a pluggable `Admission`: none ("off"), Tandem's queue
+(`TandemAdmission`), or a peer's (`bench.fleet.peer_admission`: llm-d's and Dynamo's, from their sources).
 
 Per tier: SLO attainment (requests whose TTFT, counted from arrival and so including the wait in the queue, and
 mean TPOT meet the tier's SLO, over every request sent, refused ones included), TTFT p50/p99 of the served ones,
-goodput (output tokens a second of the requests that met their SLO) and 429s.
+goodput (output tokens a second of the requests that met their SLO) and refusals (429, or a peer's 503/529).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from coordinator.workload import WorkloadLedger
 from simengine.request import Request, SamplingParams
 from simengine.sampler import Sampler
 
-_ARRIVAL, _STEP_END, _LOAD, _EXPIRE = 0, 1, 2, 3
+_ARRIVAL, _STEP_END, _LOAD, _TIMER = 0, 1, 2, 3
 MODEL = "tandem-sim"
 
 
@@ -120,8 +121,103 @@ def arrivals(rate: float, cfg: OverloadConfig) -> list[tuple[float, TrafficClass
     return out
 
 
+class Admission:
+    """The seam the fleet admits requests through: one policy (Tandem's queue, none, or a peer's rule in
+    `bench.fleet.peer_admission`) sees every arrival and the events its real system sees, and answers each request
+    with `fleet.dispatch` (now or later) or `fleet.refuse`. The default does nothing: every request goes at once."""
+
+    label = "off"
+    holds = False  # whether it can hold requests (a queue peak to report)
+
+    def bind(self, fleet: OverloadFleet) -> None:
+        self.fleet = fleet
+
+    def offer(self, arrived: float, c: TrafficClass) -> None:
+        """A request arrives (at `fleet.now`)."""
+        self.fleet.dispatch(arrived, c)
+
+    def pending(self) -> int:
+        """Requests it holds (the run goes on while any)."""
+        return 0
+
+    def on_report(self) -> None:
+        """The engines' load reports arrived (every `load_interval_s`)."""
+
+    def on_dispatched(self, key: int, instance: int, c: TrafficClass) -> None:
+        """Request `key` went to engine `instance`."""
+
+    def on_first_token(self, key: int) -> None:
+        """Request `key`'s first token passed (its prefill is done)."""
+
+    def on_end(self, key: int) -> None:
+        """Request `key` ended."""
+
+    def on_ends(self) -> None:
+        """After one engine step's ends (Tandem's shell checks its queue's head then)."""
+
+
+class TandemAdmission(Admission):
+    """The coordinator's own queue (`coordinator/flow_control.py`), fed the ledger, the latency model and the load
+    reports, its head checked on every request's end and every load report, as `coordinator/flow_gate.py` does."""
+
+    def __init__(self, slos: dict[Tier, TierSlo], headroom: float) -> None:
+        self.queue = FlowQueue(slos, headroom=headroom)
+        self.holds = True
+        self.label = "on, headroom 1" if headroom == 1.0 else f"on, headroom {headroom:g}"
+        self._waiting: dict[Entry, tuple[float, TrafficClass]] = {}
+
+    def pending(self) -> int:
+        return len(self._waiting)
+
+    def _fits(self, c: TrafficClass) -> bool:
+        fleet = self.fleet
+        views = fleet.views()
+        if any(v.idle for v in views):
+            return True
+        budget = fleet.cfg.engine.max_num_batched_tokens
+        return meets([predict(v, c.prompt, budget) for v in views], self.queue.threshold(c.tier))
+
+    def offer(self, arrived: float, c: TrafficClass) -> None:
+        fleet, q = self.fleet, self.queue
+        entry = Entry(None, c.tier, c.tenant, c.prompt + c.output, fleet.now)
+        decision = q.offer(entry, self._fits(c), fleet.now)
+        if decision.displaced is not None:
+            _, displaced = self._waiting.pop(decision.displaced)
+            fleet.refuse(displaced)
+        if decision.verdict == Verdict.ADMIT:
+            fleet.dispatch(arrived, c)
+        elif decision.verdict == Verdict.REJECT:
+            fleet.refuse(c)
+        else:
+            self._waiting[entry] = (arrived, c)
+            fleet.at(entry.deadline, lambda: self._expire(entry))
+            fleet.result.queue_peak = max(fleet.result.queue_peak, len(q))
+
+    def _expire(self, entry: Entry) -> None:
+        if not entry.queued:
+            return
+        arrived, c = self._waiting.pop(entry)
+        if self.queue.expire(entry).verdict == Verdict.ADMIT:
+            self.fleet.dispatch(arrived, c)
+        else:
+            self.fleet.refuse(c)
+
+    def _kick(self) -> None:
+        q = self.queue
+        while (head := q.head()) is not None:
+            arrived, c = self._waiting[head]
+            if not self._fits(c):
+                return
+            q.release(head, self.fleet.now)
+            del self._waiting[head]
+            self.fleet.dispatch(arrived, c)
+
+    on_report = _kick
+    on_ends = _kick
+
+
 class OverloadFleet:
-    def __init__(self, cfg: OverloadConfig) -> None:
+    def __init__(self, cfg: OverloadConfig, admission: Admission | None = None) -> None:
         self.cfg = cfg
         self.now = 0.0
         sampler = Sampler(list(range(1000, 2000)), eos_token_id=2)
@@ -133,23 +229,34 @@ class OverloadFleet:
         self.ledger = WorkloadLedger(lambda: self.now)
         self.latency = LatencyBook(budget=cfg.engine.max_num_batched_tokens)
         self.policy = create_policy("least_load", None)
-        self.queue = FlowQueue(cfg.slos, headroom=cfg.headroom) if cfg.admission else None
+        if admission is None:
+            admission = TandemAdmission(cfg.slos, cfg.headroom) if cfg.admission else Admission()
         self.result = OverloadResult({c.tier: TierResult() for c in TRAFFIC}, 0.0)
         self._heap: list = []
         self._seq = 0
-        self._live: dict[
-            int, list
-        ] = {}  # id(request) -> [commitment, class, arrival, first token at, instance]
-        self._waiting: dict[Entry, tuple[float, TrafficClass]] = {}
+        self._arrivals_left = 0
+        # id(request) -> [commitment, class, arrival, first token at, instance, key]
+        self._live: dict[int, list] = {}
         self._keys = 0
+        self.admission = admission
+        admission.bind(self)
 
     def push(self, at: float, kind: int, obj) -> None:
         heapq.heappush(self._heap, (at, self._seq, kind, obj))
         self._seq += 1
 
+    def at(self, when: float, callback) -> None:
+        """Calls `callback()` at simulated time `when` (an admission policy's timer)."""
+        self.push(when, _TIMER, callback)
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is left to happen: arrivals to come, requests in flight or held."""
+        return bool(self._arrivals_left or self._live or self.admission.pending())
+
     # --- the coordinator ------------------------------------------------------------------------------------
 
-    def _views(self) -> list[EngineView]:
+    def views(self) -> list[EngineView]:
         views = []
         for inst in self.instances:
             iid = inst.state.info.instance_id
@@ -169,97 +276,62 @@ class OverloadFleet:
             )
         return views
 
-    def _fits(self, c: TrafficClass) -> bool:
-        assert self.queue is not None
-        views = self._views()
-        if any(v.idle for v in views):
-            return True
-        budget = self.cfg.engine.max_num_batched_tokens
-        return meets([predict(v, c.prompt, budget) for v in views], self.queue.threshold(c.tier))
-
-    def _dispatch(self, arrived: float, c: TrafficClass) -> None:
+    def dispatch(self, arrived: float, c: TrafficClass, allowed: set[int] | None = None) -> None:
+        """Sends the request to the engine least_load picks (among the indices in `allowed`, if given)."""
         self._keys += 1
-        facts = RequestFacts(f"r{self._keys}", MODEL, c.prompt, c.output)
-        pool = candidates([i.state for i in self.instances], self.ledger, None, self.latency)
+        key = self._keys
+        facts = RequestFacts(f"r{key}", MODEL, c.prompt, c.output)
+        states = [i.state for n, i in enumerate(self.instances) if allowed is None or n in allowed]
+        pool = candidates(states, self.ledger, None, self.latency)
         chosen = self.policy.pick(facts, pool)
-        inst = self.instances[int(chosen.instance_id[4:])]
+        index = int(chosen.instance_id[4:])
+        inst = self.instances[index]
         commitment = self.ledger.commit(chosen.instance_id, c.prompt, c.output, c.prompt + c.output, c.prompt)
-        rng = random.Random(self._keys)
+        rng = random.Random(key)
         prompt = [rng.randrange(1000, 30000) for _ in range(c.prompt)]  # no shared prefixes
         req = Request(
-            f"r{self._keys}-0",
+            f"r{key}-0",
             prompt,
-            SamplingParams(max_tokens=c.output, ignore_eos=True, seed_key=self._keys),
+            SamplingParams(max_tokens=c.output, ignore_eos=True, seed_key=key),
             arrival_time=arrived,
             priority=ENGINE_PRIORITY[c.tier],
         )
-        self._live[id(req)] = [commitment, c, arrived, None, inst]
+        self._live[id(req)] = [commitment, c, arrived, None, inst, key]
+        self.admission.on_dispatched(key, index, c)
         inst.add(req)
         if not inst.busy:
             dt = inst.start_step()
             if dt is not None:
                 self.push(self.now + dt, _STEP_END, inst)
 
-    def _refuse(self, c: TrafficClass) -> None:
+    def refuse(self, c: TrafficClass) -> None:
+        """The request is refused (a 429, 503 or 529 by the policy's system; not retried)."""
         self.result.tiers[c.tier].refused += 1
-
-    def _offer(self, arrived: float, c: TrafficClass) -> None:
-        self.result.tiers[c.tier].sent += 1
-        q = self.queue
-        if q is None:
-            self._dispatch(arrived, c)
-            return
-        entry = Entry(None, c.tier, c.tenant, c.prompt + c.output, self.now)
-        decision = q.offer(entry, self._fits(c), self.now)
-        if decision.displaced is not None:
-            _, displaced = self._waiting.pop(decision.displaced)
-            self._refuse(displaced)
-        if decision.verdict == Verdict.ADMIT:
-            self._dispatch(arrived, c)
-        elif decision.verdict == Verdict.REJECT:
-            self._refuse(c)
-        else:
-            self._waiting[entry] = (arrived, c)
-            self.push(entry.deadline, _EXPIRE, entry)
-            self.result.queue_peak = max(self.result.queue_peak, len(q))
-
-    def _kick(self) -> None:
-        q = self.queue
-        while q is not None and (head := q.head()) is not None:
-            arrived, c = self._waiting[head]
-            if not self._fits(c):
-                return
-            q.release(head, self.now)
-            del self._waiting[head]
-            self._dispatch(arrived, c)
 
     # --- the run --------------------------------------------------------------------------------------------
 
     def run(self, arrivals: list[tuple[float, TrafficClass]]) -> OverloadResult:
         for at, c in arrivals:
             self.push(at, _ARRIVAL, c)
+        self._arrivals_left = len(arrivals)
         self.push(0.0, _LOAD, None)
         last = 0.0
         while self._heap:
             now, _, kind, obj = heapq.heappop(self._heap)
             self.now = now
             if kind == _ARRIVAL:
-                self._offer(now, obj)
+                self._arrivals_left -= 1
+                self.result.tiers[obj.tier].sent += 1
+                self.admission.offer(now, obj)
             elif kind == _STEP_END:
                 self._step_end(obj)
                 last = now
             elif kind == _LOAD:
                 self._report()
-                if self._live or self._waiting or any(k == _ARRIVAL for _, _, k, _ in self._heap):
+                if self.active:
                     self.push(now + self.cfg.load_interval_s, _LOAD, None)
-            elif kind == _EXPIRE:
-                entry = obj
-                if entry.queued and self.queue is not None:
-                    arrived, c = self._waiting.pop(entry)
-                    if self.queue.expire(entry).verdict == Verdict.ADMIT:
-                        self._dispatch(arrived, c)
-                    else:
-                        self._refuse(c)
+            elif kind == _TIMER:
+                obj()
         self.result.span_s = last
         self.result.residual = self.ledger.total_requests
         return self.result
@@ -271,7 +343,7 @@ class OverloadFleet:
             iid = inst.state.info.instance_id
             interval = self.ledger.engine_progress(iid, {0: (inst.prompt_counter, inst.generation_counter)})
             self.latency.observe(iid, interval, was_busy and inst.state.load.running > 0)
-        self._kick()
+        self.admission.on_report()
 
     def _step_end(self, inst: SimInstance) -> None:
         ended = False
@@ -279,21 +351,23 @@ class OverloadFleet:
             entry = self._live.get(id(req))
             if entry is None:
                 continue
-            commitment, c, arrived, first, _ = entry
+            commitment, c, arrived, first, _, key = entry
             if len(req.output_token_ids) == 1:
                 inst.prompt_counter += len(req.prompt_token_ids)
                 entry[3] = first = self.now
+                self.admission.on_first_token(key)
             inst.generation_counter += 1
             if req.is_finished:
                 self._finish(entry, c, arrived, first)
                 self.ledger.release(commitment, started=True)
                 del self._live[id(req)]
+                self.admission.on_end(key)
                 ended = True
         dt = inst.start_step()
         if dt is not None:
             self.push(self.now + dt, _STEP_END, inst)
         if ended:
-            self._kick()
+            self.admission.on_ends()
 
     def _finish(self, entry, c: TrafficClass, arrived: float, first: float) -> None:
         t = self.result.tiers[c.tier]
@@ -341,31 +415,33 @@ def cmd_overload(args, progress) -> tuple[str, list]:
         f"the burst for {base.burst_s:g} s, {base.steady:.0%} for {base.steady_s:g} s; Poisson, seed {base.seed}. "
         "SLOs: the defaults (priority TTFT 1 s / TPOT 0.1 s, flex 10 s / 0.3 s); TTFT from arrival, in simulated ms.",
         "",
-        "| burst | admission | tier | sent | 429 | SLO met | TTFT p50 | TTFT p99 | goodput tok/s | queue peak |",
+        "| burst | admission | tier | sent | refused | SLO met | TTFT p50 | TTFT p99 | goodput tok/s | queue peak |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
-    # Admission off, on without headroom (lower tiers may fill all of priority's TTFT SLO), and as it ships.
-    variants = (
-        ("off", False, 1.0),
-        ("on, headroom 1", True, 1.0),
-        (f"on, headroom {DEFAULT_HEADROOM:g}", True, DEFAULT_HEADROOM),
-    )
+    # Admission off, on without headroom (lower tiers may fill all of priority's TTFT SLO), as it ships, and the
+    # peers' admission (bench.fleet.peer_admission) with their defaults.
+    from bench.fleet.peer_admission import peer_variants
+
+    variants = [
+        lambda cfg: Admission(),
+        lambda cfg: TandemAdmission(cfg.slos, 1.0),
+        lambda cfg: TandemAdmission(cfg.slos, DEFAULT_HEADROOM),
+    ] + [lambda cfg, make=make: make() for make in (peer_variants() if getattr(args, "peers", True) else [])]
     for burst in args.bursts:
-        for label, admission, headroom in variants:
-            cfg = OverloadConfig(
-                **{**base.__dict__, "burst": burst, "admission": admission, "headroom": headroom}
-            )
-            result = OverloadFleet(cfg).run(arrivals(rate, cfg))
+        for make in variants:
+            cfg = OverloadConfig(**{**base.__dict__, "burst": burst})
+            admission = make(cfg)
+            result = OverloadFleet(cfg, admission).run(arrivals(rate, cfg))
             assert result.residual == 0, "the ledger kept requests after the last end"
             progress(1)
             for c in TRAFFIC:
                 t = result.tiers[c.tier]
                 lines.append(
-                    f"| {burst:g}x | {label} | {c.tier.value} | {t.sent} | {t.refused} "
+                    f"| {burst:g}x | {admission.label} | {c.tier.value} | {t.sent} | {t.refused} "
                     f"| {t.met / t.sent:.0%} | {percentile(t.ttft_s, 50) * 1000:.0f} "
                     f"| {percentile(t.ttft_s, 99) * 1000:.0f} | {result.goodput(c.tier):.0f} | "
-                    f"{result.queue_peak if admission else '-'} |"
+                    f"{result.queue_peak if admission.holds else '-'} |"
                 )
-                rows.append((burst, admission, c.tier.value, t, result))
+                rows.append((burst, admission.label, c.tier.value, t, result))
     return "\n".join(lines), rows
