@@ -53,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="where Envoy reads the tandem.v1 descriptor set (default: this installation's, from `make protos`)",
     )
+    p_prom = sub.add_parser(
+        "prometheus-config", help="print a Prometheus configuration scraping every process of a mesh config"
+    )
+    p_prom.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_prom.add_argument(
+        "--rules",
+        action="append",
+        default=[],
+        help="a rule file (or glob) for Prometheus to load; repeatable",
+    )
+    p_prom.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval")
     p_coord = sub.add_parser("coordinator", help="run the coordinator")
     p_coord.add_argument("--config", required=True, help="mesh config file (YAML)")
     p_coord.add_argument(
@@ -120,12 +131,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from mesh.config import ConfigError, load_mesh_config
 
-    if args.command in ("up", "envoy-config", "certs"):
+    if args.command in ("up", "envoy-config", "certs", "prometheus-config"):
         try:
             mesh = load_mesh_config(args.config)
         except ConfigError as exc:
             print(f"tandem {args.command}: config error: {exc}", file=sys.stderr)
             return 2
+        if args.command == "prometheus-config":
+            import yaml
+
+            from mesh.observability import scrape_config
+
+            every = args.scrape_interval
+            print(yaml.safe_dump(scrape_config(mesh, every, every, args.rules), sort_keys=False), end="")
+            return 0
         if args.command == "certs":
             return _certs(mesh, args.dir, args.host, args.force, args.ca_dir)
         if args.command == "envoy-config":

@@ -44,11 +44,16 @@ def test_delivered_hits_are_counter_deltas_and_survive_an_engine_restart():
 
 
 async def test_a_routed_streamed_request_is_predicted_then_measured_from_its_log_entry():
+    """Also its tier's TTFT (the dashboard's TTFT by tier) and the policy that chose (decisions per policy)."""
     decider = decider_for(make_picker("kv_affinity"))
-    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 4, "stream": True}).encode()
-    routed = await decider.route("/v1/completions", body, new_request_ids(None))
+    request = {"model": "m", "prompt": "hello there", "max_tokens": 4, "stream": True, "service_tier": "flex"}
+    decisions = sample("tandem_coordinator_decisions_total", policy="kv_affinity")
+    flex_ttfts = sample("tandem_coordinator_tier_ttft_seconds_count", tier="flex")
+    routed = await decider.route("/v1/completions", json.dumps(request).encode(), new_request_ids(None))
     prediction = routed.ticket.prediction
     assert isinstance(prediction, Prediction) and prediction.streamed and prediction.ttft_s > 0
+    assert prediction.tier == "flex"
+    assert sample("tandem_coordinator_decisions_total", policy="kv_affinity") == decisions + 1
     instance = prediction.instance_id
     labels = {"model": "m", "instance": instance}
     assert sample("tandem_coordinator_predicted_ttft_seconds_count", **labels) >= 1
@@ -67,4 +72,6 @@ async def test_a_routed_streamed_request_is_predicted_then_measured_from_its_log
 
     await AccessLogService(decider.tickets).StreamAccessLogs(messages(), None)
     assert sample("tandem_coordinator_actual_ttft_seconds_count", **labels) == before + 1
+    assert sample("tandem_coordinator_tier_ttft_seconds_count", tier="flex") == flex_ttfts + 1
+    assert sample("tandem_coordinator_tier_ttft_seconds_sum", tier="flex") > 0
     assert sample("tandem_coordinator_ttft_error_ratio_count", **labels) >= 1
