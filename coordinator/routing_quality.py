@@ -63,6 +63,24 @@ def actual_ttft_s(first_upstream_tx_s: float, first_upstream_rx_s: float) -> flo
     return first_upstream_rx_s - first_upstream_tx_s
 
 
+class TtftAttainment:
+    """Per service tier, streamed requests measured and those whose first token came within the tier's TTFT
+    objective (`Admin/GetStats` `ttft_slo`, `tandem top`)."""
+
+    def __init__(self, slo_s: Mapping[str, float]) -> None:
+        self.slo_s = dict(slo_s)  # tier -> objective, seconds
+        self.counts: dict[str, list[int]] = {}  # tier -> [measured, within the objective]
+
+    def observe(self, tier: str, actual_s: float) -> None:
+        counts = self.counts.get(tier)
+        if counts is None:
+            counts = self.counts[tier] = [0, 0]
+        counts[0] += 1
+        slo = self.slo_s.get(tier)
+        if slo is None or actual_s <= slo:
+            counts[1] += 1
+
+
 class DeliveredHits:
     """The hits engines report: per instance, the last cumulative `vllm:prefix_cache_hits_total` of each rank
     (carried in heartbeats); `delta` turns each new sample into the tokens found cached since the previous one.
