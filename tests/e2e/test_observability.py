@@ -16,6 +16,7 @@ clients, each request with a 30 s timeout; the alert is awaited 60 s."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -58,6 +59,7 @@ class Load:
         self.mesh = mesh
         self.stopped = threading.Event()
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self.statuses: list[int] = []
         self.threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(4)]
 
@@ -88,7 +90,7 @@ class Load:
                 i += 4
 
     def start(self) -> Load:
-        self.started = time.monotonic()
+        self.started, self.started_wall = time.monotonic(), time.time()
         for t in self.threads:
             t.start()
         return self
@@ -226,3 +228,8 @@ def test_every_dashboard_query_returns_series_while_the_mesh_serves(observed):
         pytest.fail(f"queries without series: {empty}")
     assert 200 in load.statuses and 429 in load.statuses, sorted(set(load.statuses))
     assert {s for s in load.statuses} <= {200, 429}, sorted(set(load.statuses))
+    png = os.environ.get("TANDEM_DASHBOARD_PNG")
+    if png:  # docs/operations.md's figure, from these very queries (bench/dashboard.py)
+        from bench.dashboard import plot
+
+        plot(prometheus.address, load.started_wall, time.time(), png)
