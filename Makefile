@@ -81,7 +81,7 @@ test-vllm: setup ## real CPU vLLM engines launched by the node agent (~7 min fro
 	TANDEM_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TANDEM_TINY_MODEL=$(abspath $(TINY_MODEL)) \
 		$(PYTEST) -p no:cacheprovider --basetemp=build/test-vllm tests/vllm
 
-system-deps: ## Debian packages the tests use: libibverbs1 (Mooncake transfer engine) and etcd; needs root
+system-deps: ## Debian packages the tests use: libibverbs1 (Mooncake), etcd, prometheus (+promtool), tmux; needs root
 	bash scripts/install_system_deps.sh
 
 # --- quality --------------------------------------------------------------------------------------------------

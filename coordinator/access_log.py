@@ -17,7 +17,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from coordinator import metrics
-from coordinator.routing_quality import Prediction, actual_ttft_s
+from coordinator.routing_quality import Prediction, TtftAttainment, actual_ttft_s
 from coordinator.tickets import CLIENT_GONE, COMPLETED, FAILED, TicketTable
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,9 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> str:
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
     """Ends the ticket named by each HTTP access log entry."""
 
-    def __init__(self, tickets: TicketTable) -> None:
+    def __init__(self, tickets: TicketTable, attainment: TtftAttainment | None = None) -> None:
         self.tickets = tickets
+        self.attainment = attainment  # each tier's TTFT objective met, per streamed request
 
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context
@@ -92,3 +93,5 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
         )
         if actual is not None and outcome_of(entry) == COMPLETED:
             metrics.routing_actual_ttft(prediction, actual)
+            if self.attainment is not None:
+                self.attainment.observe(prediction.tier, actual)

@@ -35,6 +35,7 @@ from coordinator.picker import EndpointPicker
 from coordinator.predicted_cache import PredictedCache
 from coordinator.quotas import SHARE_INTERVAL_S, Quotas, Use
 from coordinator.relearn import RelearnWindow
+from coordinator.routing_quality import TtftAttainment
 from coordinator.services import AdminService, MetaserverService, RegistryService, publish_instance_counts
 from coordinator.shared_state import LocalState, SharedState
 from coordinator.tenants_watch import TenantsWatch, load_tenants, watch_tenants
@@ -180,13 +181,16 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         decider.flow = FlowGate(config.flow_control, picker)
         tickets.on_any_release = decider.flow.kick
         registry.on_load = decider.flow.kick
-    admin = AdminService(picker, decider.counters, mesh, shared, decider, sizing)
+    attainment = TtftAttainment({t.value: slo.ttft_slo_s for t, slo in config.flow_control.slos().items()})
+    admin = AdminService(picker, decider.counters, mesh, shared, decider, sizing, attainment)
     # Both decision transports are served; Envoy's config says which one it calls (envoy.decision).
     ext_proc = ExternalProcessor(decider, config.prefill_budget_s, mesh.decision_timeout_s)
     app.add_service(EXT_PROC_SERVICE, ep_grpc.add_ExternalProcessorServicer_to_server, ext_proc)
     app.add_service(EXT_AUTHZ_SERVICE, ea_grpc.add_AuthorizationServicer_to_server, Authorization(decider))
     app.add_service(
-        ACCESS_LOG_SERVICE, als_pb2_grpc.add_AccessLogServiceServicer_to_server, AccessLogService(tickets)
+        ACCESS_LOG_SERVICE,
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server,
+        AccessLogService(tickets, attainment),
     )
     app.add_service("tandem.v1.Registry", registry_pb2_grpc.add_RegistryServicer_to_server, registry)
     app.add_service("tandem.v1.Admin", admin_pb2_grpc.add_AdminServicer_to_server, admin)

@@ -106,6 +106,15 @@ def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:
             waiting_requests=load.waiting,
             kv_cache_usage=load.kv_cache_usage,
             sampled_at=_timestamp(load.sampled_at) if load.sampled_at else None,
+            progress=[
+                common_pb2.RankProgress(
+                    dp_rank=rank,
+                    prompt_tokens_total=prompt,
+                    generation_tokens_total=generation,
+                    prefix_cache_hits_total=load.prefix_hits.get(rank, 0),
+                )
+                for rank, (prompt, generation) in sorted(load.progress.items())
+            ],
         ),
         drained=state.drained,
         workload_tokens=ledger.tokens(iid),

@@ -342,6 +342,7 @@ class Decider:
             pick.request.prompt_tokens,
             pick.predicted_ttft_s,
             pick.request.stream,
+            tier,
         )
         ticket.prediction = prediction
         metrics.routing_predicted(prediction)

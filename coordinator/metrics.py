@@ -21,6 +21,12 @@ DECISION_SECONDS = Histogram(
     "Time to validate, tokenize and schedule one request",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05),
 )
+DECISIONS = Counter(
+    "tandem_coordinator_decisions",
+    "Instances chosen, by the policy that chose them (scheduler.policy, and decode_policy for P/D decode "
+    "instances); a P/D request counts one per leg",
+    ["policy"],
+)
 INSTANCES = Gauge("tandem_coordinator_instances", "Registered instances by health", ["health"])
 REGISTRATIONS_REFUSED = Counter(
     "tandem_coordinator_registrations_refused",
@@ -263,6 +269,15 @@ class TenantCollector:
 TENANTS = TenantCollector()
 REGISTRY.register(TENANTS)
 _routed_children: dict[str, Counter] = {}
+_decision_children: dict[str, Counter] = {}
+
+
+def decided(policy: str) -> None:
+    """Counts one instance chosen by `policy`."""
+    child = _decision_children.get(policy)
+    if child is None:
+        child = _decision_children[policy] = DECISIONS.labels(policy)
+    child.inc()
 
 
 def routed(instance_id: str) -> None:
@@ -312,6 +327,12 @@ ACTUAL_TTFT_SECONDS = Histogram(
     ["model", "instance"],
     buckets=_TTFT_BUCKETS,
 )
+TIER_TTFT_SECONDS = Histogram(
+    "tandem_coordinator_tier_ttft_seconds",
+    "Time from sending a streamed request to the engine to its first byte (Envoy's timing), per service tier",
+    ["tier"],
+    buckets=_TTFT_BUCKETS,
+)
 TTFT_ERROR_RATIO = Histogram(
     "tandem_coordinator_ttft_error_ratio",
     "Actual over predicted TTFT of a streamed request (1: exact; above: slower than predicted)",
@@ -354,5 +375,6 @@ def routing_actual_ttft(prediction, actual_s: float) -> None:
     """Observes a streamed request's actual TTFT and its ratio to the prediction."""
     model, instance = prediction.model, prediction.instance_id
     ACTUAL_TTFT_SECONDS.labels(model, instance).observe(actual_s)
+    TIER_TTFT_SECONDS.labels(prediction.tier).observe(actual_s)
     if prediction.ttft_s > 0:
         TTFT_ERROR_RATIO.labels(model, instance).observe(actual_s / prediction.ttft_s)

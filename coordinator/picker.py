@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordinator import metrics
 from coordinator.config import CoordinatorConfig, PdMode
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
@@ -229,6 +230,7 @@ class EndpointPicker:
         matches, hashes = await self._matches(policy, request_id, request, states)
         facts = RequestFacts(request_id, request.model, request.prompt_tokens, request.max_tokens, hashes)
         cands = self._candidates(states, matches)
+        metrics.decided(policy.name)
         if not tracing.ENABLED:
             return policy.pick(facts, cands), hashes
         with tracing.span("tandem.score", attributes={"tandem.policy": policy.name}) as current:

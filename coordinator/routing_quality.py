@@ -33,10 +33,17 @@ class Prediction:
     prompt_tokens: int
     ttft_s: float  # predicted time to first token on the instance
     streamed: bool  # only a streamed answer's first byte is its first token
+    tier: str = "default"  # the service tier it was served in (`coordinator.tenants`)
 
 
 def prediction_of(
-    model: str, instance_id: str, match: KvMatch, prompt_tokens: int, ttft_s: float, streamed: bool
+    model: str,
+    instance_id: str,
+    match: KvMatch,
+    prompt_tokens: int,
+    ttft_s: float,
+    streamed: bool,
+    tier: str = "default",
 ) -> Prediction:
     """The prediction for a request of `prompt_tokens` sent to `instance_id`, chosen on `match`."""
     left = prompt_tokens
@@ -45,7 +52,7 @@ def prediction_of(
         tokens = min(left, blocks * match.block_size)
         hits.append(tokens)
         left -= tokens
-    return Prediction(model, instance_id, (hits[0], hits[1], hits[2]), prompt_tokens, ttft_s, streamed)
+    return Prediction(model, instance_id, (hits[0], hits[1], hits[2]), prompt_tokens, ttft_s, streamed, tier)
 
 
 def actual_ttft_s(first_upstream_tx_s: float, first_upstream_rx_s: float) -> float | None:
@@ -54,6 +61,24 @@ def actual_ttft_s(first_upstream_tx_s: float, first_upstream_rx_s: float) -> flo
     if first_upstream_tx_s <= 0 or first_upstream_rx_s <= 0 or first_upstream_rx_s < first_upstream_tx_s:
         return None
     return first_upstream_rx_s - first_upstream_tx_s
+
+
+class TtftAttainment:
+    """Per service tier, streamed requests measured and those whose first token came within the tier's TTFT
+    objective (`Admin/GetStats` `ttft_slo`, `tandem top`)."""
+
+    def __init__(self, slo_s: Mapping[str, float]) -> None:
+        self.slo_s = dict(slo_s)  # tier -> objective, seconds
+        self.counts: dict[str, list[int]] = {}  # tier -> [measured, within the objective]
+
+    def observe(self, tier: str, actual_s: float) -> None:
+        counts = self.counts.get(tier)
+        if counts is None:
+            counts = self.counts[tier] = [0, 0]
+        counts[0] += 1
+        slo = self.slo_s.get(tier)
+        if slo is None or actual_s <= slo:
+            counts[1] += 1
 
 
 class DeliveredHits:

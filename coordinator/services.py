@@ -27,7 +27,7 @@ from coordinator.latency import LatencyBook
 from coordinator.ownership import ownership_problem
 from coordinator.picker import EndpointPicker
 from coordinator.redact import redact
-from coordinator.routing_quality import DeliveredHits
+from coordinator.routing_quality import DeliveredHits, TtftAttainment
 from coordinator.shared_state import LocalState, SharedState
 from coordinator.trigger import CallbackRefused, TriggerCoordinator
 from coordinator.workload import WorkloadLedger
@@ -338,8 +338,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         shared: SharedState | None = None,
         decider: Decider | None = None,
         sizing: Callable[[], list[Sizing]] | None = None,
+        attainment: TtftAttainment | None = None,
     ) -> None:
         self.shared = shared or LocalState()
+        self.attainment = attainment  # each tier's TTFT objective met (`routing_quality.TtftAttainment`)
         self.picker = picker
         self.counters = counters
         self.decider = decider  # its tenants and quotas (GetStats)
@@ -384,6 +386,17 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         gate = self.decider.flow if self.decider is not None else None
         return _queue_stats_of(gate) if gate is not None else []
 
+    def _ttft_slo(self) -> list[admin_pb2.TtftSloStats]:
+        a = self.attainment
+        if a is None:
+            return []
+        return [
+            admin_pb2.TtftSloStats(
+                tier=tier, ttft_slo_seconds=a.slo_s.get(tier, 0.0), measured=c[0], within_slo=c[1]
+            )
+            for tier, c in sorted(a.counts.items())
+        ]
+
     async def GetStats(self, request, context) -> admin_pb2.GetStatsResponse:
         ledger = self.picker.ledger
         per_instance = [
@@ -425,6 +438,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             policy=self.picker.policy.name,
             instances=per_instance,
             sizing=[sizing_to_proto(z) for z in (self.sizing() if self.sizing is not None else [])],
+            ttft_slo=self._ttft_slo(),
         )
 
 

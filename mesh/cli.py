@@ -53,6 +53,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="where Envoy reads the tandem.v1 descriptor set (default: this installation's, from `make protos`)",
     )
+    p_prom = sub.add_parser(
+        "prometheus-config", help="print a Prometheus configuration scraping every process of a mesh config"
+    )
+    p_prom.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_prom.add_argument(
+        "--rules",
+        action="append",
+        default=[],
+        help="a rule file (or glob) for Prometheus to load; repeatable",
+    )
+    p_prom.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval")
+    p_top = sub.add_parser(
+        "top", help="a live view of the mesh (instances, tiers, P/D) from the Admin API, as the operator"
+    )
+    p_top.add_argument("--config", required=True, help="mesh config file (YAML)")
+    p_top.add_argument(
+        "--certs-dir", default=None, help="where operator.pem is (default: security.certs_dir)"
+    )
+    p_top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p_top.add_argument("--once", action="store_true", help="print one frame and exit")
     p_coord = sub.add_parser("coordinator", help="run the coordinator")
     p_coord.add_argument("--config", required=True, help="mesh config file (YAML)")
     p_coord.add_argument(
@@ -120,12 +140,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from mesh.config import ConfigError, load_mesh_config
 
-    if args.command in ("up", "envoy-config", "certs"):
+    if args.command in ("up", "envoy-config", "certs", "prometheus-config"):
         try:
             mesh = load_mesh_config(args.config)
         except ConfigError as exc:
             print(f"tandem {args.command}: config error: {exc}", file=sys.stderr)
             return 2
+        if args.command == "prometheus-config":
+            import yaml
+
+            from mesh.observability import scrape_config
+
+            every = args.scrape_interval
+            print(yaml.safe_dump(scrape_config(mesh, every, every, args.rules), sort_keys=False), end="")
+            return 0
         if args.command == "certs":
             return _certs(mesh, args.dir, args.host, args.force, args.ca_dir)
         if args.command == "envoy-config":
@@ -144,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         from mesh.up import up
 
         return up(mesh, args.config, Path(args.run_dir).resolve(), args.engine_timeout, args.certs_dir)
+    if args.command == "top":
+        return _top(args.config, args.certs_dir, args.interval, args.once)
     if args.command == "coordinator":
         return _coordinator(args.config, args.replica, args.certs_dir)
     if args.command == "conductor":
@@ -193,6 +223,23 @@ def _agent_stop(path: str, node: str | None, engines: bool, certs: str | None) -
     report = shutdown_agent(config, stop_engines=engines, tls=tls)
     print(report.summary(config.node_id))
     return 0 if not report.agent_answered or report.agent_exited else 1
+
+
+def _top(path: str, certs: str | None, interval: float, once: bool) -> int:
+    from mesh.config import ConfigError, load_mesh_config
+    from mesh.security import component_tls
+    from mesh.top import run
+    from tandem import tls
+
+    try:
+        mesh = load_mesh_config(path)
+        files = component_tls(mesh, "operator", certs)
+    except ConfigError as exc:
+        print(f"tandem top: config error: {exc}", file=sys.stderr)
+        return 2
+    address = mesh.control_address
+    with tls.channel(address, files, "envoy") as channel:
+        return run(channel, address, interval, once)
 
 
 def _coordinator(path: str, replica: int | None, certs: str | None) -> int:

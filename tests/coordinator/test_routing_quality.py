@@ -11,7 +11,13 @@ from prometheus_client import REGISTRY
 from coordinator.access_log import AccessLogService
 from coordinator.decision import new_request_ids
 from coordinator.kv_facts import KvMatch
-from coordinator.routing_quality import DeliveredHits, Prediction, actual_ttft_s, prediction_of
+from coordinator.routing_quality import (
+    DeliveredHits,
+    Prediction,
+    TtftAttainment,
+    actual_ttft_s,
+    prediction_of,
+)
 from tests.coordinator.test_access_log import entry
 from tests.coordinator.test_ext_proc import decider_for
 from tests.helpers import make_picker
@@ -44,11 +50,16 @@ def test_delivered_hits_are_counter_deltas_and_survive_an_engine_restart():
 
 
 async def test_a_routed_streamed_request_is_predicted_then_measured_from_its_log_entry():
+    """Also its tier's TTFT (the dashboard's TTFT by tier) and the policy that chose (decisions per policy)."""
     decider = decider_for(make_picker("kv_affinity"))
-    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 4, "stream": True}).encode()
-    routed = await decider.route("/v1/completions", body, new_request_ids(None))
+    request = {"model": "m", "prompt": "hello there", "max_tokens": 4, "stream": True, "service_tier": "flex"}
+    decisions = sample("tandem_coordinator_decisions_total", policy="kv_affinity")
+    flex_ttfts = sample("tandem_coordinator_tier_ttft_seconds_count", tier="flex")
+    routed = await decider.route("/v1/completions", json.dumps(request).encode(), new_request_ids(None))
     prediction = routed.ticket.prediction
     assert isinstance(prediction, Prediction) and prediction.streamed and prediction.ttft_s > 0
+    assert prediction.tier == "flex"
+    assert sample("tandem_coordinator_decisions_total", policy="kv_affinity") == decisions + 1
     instance = prediction.instance_id
     labels = {"model": "m", "instance": instance}
     assert sample("tandem_coordinator_predicted_ttft_seconds_count", **labels) >= 1
@@ -65,6 +76,17 @@ async def test_a_routed_streamed_request_is_predicted_then_measured_from_its_log
         batch.http_logs.log_entry.append(logged)
         yield batch
 
-    await AccessLogService(decider.tickets).StreamAccessLogs(messages(), None)
+    attainment = TtftAttainment({"flex": 0.01})
+    await AccessLogService(decider.tickets, attainment).StreamAccessLogs(messages(), None)
+    assert attainment.counts == {"flex": [1, 0]}  # 50 ms against a 10 ms objective
     assert sample("tandem_coordinator_actual_ttft_seconds_count", **labels) == before + 1
+    assert sample("tandem_coordinator_tier_ttft_seconds_count", tier="flex") == flex_ttfts + 1
+    assert sample("tandem_coordinator_tier_ttft_seconds_sum", tier="flex") > 0
     assert sample("tandem_coordinator_ttft_error_ratio_count", **labels) >= 1
+
+
+def test_ttft_attainment_counts_each_tiers_requests_within_its_objective():
+    book = TtftAttainment({"priority": 1.0, "default": 2.0})
+    for tier, actual in [("priority", 0.4), ("priority", 1.5), ("default", 2.0), ("flex", 30.0)]:
+        book.observe(tier, actual)
+    assert book.counts == {"priority": [2, 1], "default": [1, 1], "flex": [1, 1]}  # no objective: met
