@@ -86,10 +86,8 @@ def load_from_proto(msg: common_pb2.InstanceLoad) -> EngineLoad:
     progress = {p.dp_rank: (p.prompt_tokens_total, p.generation_tokens_total) for p in msg.progress}
     load = EngineLoad(msg.running_requests, msg.waiting_requests, msg.kv_cache_usage, sampled, progress)
     load.prefix_hits = {p.dp_rank: p.prefix_cache_hits_total for p in msg.progress}
-    # LoRA slots (issue 26): the seam for the heartbeat's `loaded_adapters` (repeated string) and `max_loras`
-    # (uint32); until the message has them, an instance reports no adapters and no slots.
-    load.adapters = frozenset(getattr(msg, "loaded_adapters", ()))
-    load.max_loras = int(getattr(msg, "max_loras", 0))
+    load.adapters = frozenset(msg.loaded_adapters)  # LoRA adapters the engine serves, and its slots
+    load.max_loras = msg.max_loras
     return load
 
 
