@@ -100,8 +100,11 @@ def decode_instance(value: bytes) -> InstancePut:
         known = {f.name for f in dataclasses.fields(EngineLoad)}
         load = EngineLoad(**{k: v for k, v in data.get("load", {}).items() if k in known})
         load.adapters, load.active_adapters = frozenset(load.adapters), frozenset(load.active_adapters)
+        # JSON keys are strings: the per-rank maps get their int ranks back.
+        load.progress = {int(rank): (int(p), int(g)) for rank, (p, g) in load.progress.items()}
+        load.prefix_hits = {int(rank): int(hits) for rank, hits in load.prefix_hits.items()}
         return InstancePut(info, Health[data["health"]], load, bool(data.get("verified", True)))
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an instance record: {exc}") from None
 
 

@@ -43,6 +43,9 @@ def test_instance_record_round_trip():
     assert decode_instance(encode_instance(put)) == put
     lora = EngineLoad(adapters=frozenset({"b", "a"}), active_adapters=frozenset({"a"}), max_loras=4)
     assert decode_instance(encode_instance(InstancePut(INFO, Health.HEALTHY, lora))).load == lora
+    # Per-rank maps keep their int ranks (JSON makes them strings; Admin's ListInstances needs ints).
+    ranks = EngineLoad(progress={0: (10, 2), 3: (5, 1)}, prefix_hits={0: 7, 3: 1})
+    assert decode_instance(encode_instance(InstancePut(INFO, Health.HEALTHY, ranks))).load == ranks
     with pytest.raises(ValueError):
         decode_instance(b'{"x": 1}')
 
