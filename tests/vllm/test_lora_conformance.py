@@ -80,7 +80,9 @@ def test_lora_matches_vllm(lora_pair):
     same(real, sim, Case("load_inplace", LOAD, {"lora_name": "ad-a", "lora_path": a_path, "load_inplace": True}),
          exact_body=True)  # fmt: skip
     bad = {"lora_name": "bad", "lora_path": str(ROOT / "build" / "no-such-adapter")}
-    same(real, sim, Case("load_bad_path", LOAD, bad), exact_body=True)
+    # Status, type and shape only: real vLLM named the path in one run and wrote a literal `<path>` in another
+    # (a fresh clone under /tmp); simengine names it.
+    same(real, sim, Case("load_bad_path", LOAD, bad))
     same(real, sim, Case("load_base_name", LOAD, {"lora_name": M, "lora_path": a_path}), exact_body=True)
     same(real, sim, Case("load_empty_name", LOAD, {"lora_name": "", "lora_path": a_path}), exact_body=True)
     same(real, sim, Case("load_missing_path", LOAD, {"lora_name": "x"}), exact_body=True)
