@@ -76,27 +76,22 @@ def check_path(path: str) -> str | None:
 def load_result(status: int, body: str) -> Result:
     """The meaning of the engine's answer to `/v1/load_lora_adapter`."""
     message = _message(body)
-    if status == 200:
-        return Result(Outcome.OK, message)
     if status == 400 and "has already been loaded" in message:
         return Result(Outcome.ALREADY_LOADED, message)
-    if status == 404 and message == "Not Found":
-        return Result(Outcome.REFUSED, "the engine does not serve runtime adapter loading "
-                      "(VLLM_ALLOW_RUNTIME_LORA_UPDATING is not set)")  # fmt: skip
-    if status == 404:
-        return Result(Outcome.NOT_FOUND, message)
-    if status == 400:
-        return Result(Outcome.INVALID, message)
-    return Result(Outcome.REFUSED, message or f"HTTP {status}")
+    return _result(status, message, "loading")
 
 
 def unload_result(status: int, body: str) -> Result:
     """The meaning of the engine's answer to `/v1/unload_lora_adapter`."""
-    message = _message(body)
+    return _result(status, _message(body), "unloading")
+
+
+def _result(status: int, message: str, action: str) -> Result:
+    """What a load or unload answer means, past the cases particular to one of them."""
     if status == 200:
         return Result(Outcome.OK, message)
     if status == 404 and message == "Not Found":
-        return Result(Outcome.REFUSED, "the engine does not serve runtime adapter unloading "
+        return Result(Outcome.REFUSED, f"the engine does not serve runtime adapter {action} "
                       "(VLLM_ALLOW_RUNTIME_LORA_UPDATING is not set)")  # fmt: skip
     if status == 404:
         return Result(Outcome.NOT_FOUND, message)
