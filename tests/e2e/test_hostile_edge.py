@@ -362,18 +362,22 @@ def _control_tls_socket(mesh, host: str, port: int):
     )
 
 
+def _listener_connection(edge, listener: str) -> socket.socket:
+    """A connection to Envoy's ingress (plain) or control listener (TLS with the operator's certificate)."""
+    host, port = split_host_port(
+        edge.config["envoy"]["http_listen" if listener == "ingress" else "grpc_listen"]
+    )
+    if listener == "control":
+        return _control_tls_socket(edge, host, port)
+    return socket.create_connection((host, port), timeout=10)
+
+
 @pytest.mark.parametrize("listener", ["ingress", "control"])
 def test_http2_rapid_reset_is_cut_off(edge, listener):
     """10,000 streams opened and cancelled at once on one connection: Envoy ends the connection long before (its
     premature-reset limit), and the listener still serves."""
-    host, port = split_host_port(
-        edge.config["envoy"]["http_listen" if listener == "ingress" else "grpc_listen"]
-    )
     started = time.monotonic()
-    conn = socket.create_connection((host, port), timeout=10)
-    if listener == "control":
-        conn = _control_tls_socket(edge, host, port)
-    with conn:
+    with _listener_connection(edge, listener) as conn:
         if listener == "ingress":  # each stream waits for its decision when the reset comes
             sent = h2_rapid_reset(conn, 10_000)
         else:  # a gRPC call the operator may make, forwarded to the coordinator, its body never sent
@@ -396,14 +400,8 @@ def test_http2_rapid_reset_is_cut_off(edge, listener):
 def test_http2_continuation_flood_is_cut_off(edge, listener):
     """A header block that never ends (CONTINUATION after CONTINUATION): Envoy ends the connection once the block
     passes its header limit instead of buffering it, and the listener still serves."""
-    host, port = split_host_port(
-        edge.config["envoy"]["http_listen" if listener == "ingress" else "grpc_listen"]
-    )
     started = time.monotonic()
-    conn = socket.create_connection((host, port), timeout=10)
-    if listener == "control":
-        conn = _control_tls_socket(edge, host, port)
-    with conn:
+    with _listener_connection(edge, listener) as conn:
         sent = h2_continuation_flood(conn, 1)  # 1 MiB of header block, far past the 60 KiB limit
         # Before: the stream was reset and the connection kept reading (and decoding) the endless block.
         assert h2_goaway_or_closed(conn, 5), f"{sent} bytes of one header block, connection still open"
