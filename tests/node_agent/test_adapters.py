@@ -17,7 +17,7 @@ from node_agent.grpc_service import NodeAgentService
 from tandem.authz import is_allowed
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2
 from tests.helpers import eventually
-from tests.node_agent.test_supervision import FakeRegistry, sim_node
+from tests.node_agent.test_supervision import FakeRegistry, serving, sim_node
 
 # vLLM 0.32's answers, as CPU vLLM gave them (docs/simengine.md).
 ALREADY = ('{"error":{"message":"The lora adapter \'a\' has already been loaded. If you want to load the adapter in '
@@ -93,16 +93,8 @@ class LoadRegistry(FakeRegistry):
 
 @pytest.fixture
 async def load_registry():
-    from tandem.v1 import registry_pb2_grpc
-
-    fake = LoadRegistry()
-    server = grpc.aio.server()
-    registry_pb2_grpc.add_RegistryServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    fake.address = f"127.0.0.1:{port}"
-    yield fake
-    await server.stop(0)
+    async with serving(LoadRegistry()) as fake:
+        yield fake
 
 
 def adapter_dir(root, name: str, rank: int = 8) -> str:

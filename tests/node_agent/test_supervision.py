@@ -46,16 +46,23 @@ class FakeRegistry(registry_pb2_grpc.RegistryServicer):
             yield registry_pb2.HeartbeatResponse(instance_id=beat.instance_id, known=True)
 
 
-@pytest.fixture
-async def registry():
-    fake = FakeRegistry()
+@contextlib.asynccontextmanager
+async def serving(fake):
+    """`fake` (a Registry servicer) on a free loopback port, its address in `fake.address`."""
     server = grpc.aio.server()
     registry_pb2_grpc.add_RegistryServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    fake.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
-    fake.address = f"127.0.0.1:{port}"
-    yield fake
-    await server.stop(0)
+    try:
+        yield fake
+    finally:
+        await server.stop(0)
+
+
+@pytest.fixture
+async def registry():
+    async with serving(FakeRegistry()) as fake:
+        yield fake
 
 
 def test_backoff_doubles_up_to_the_cap():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 
-import grpc
 import pytest
 
 from mesh.config import ConfigError, parse_mesh_config
@@ -14,10 +13,9 @@ from node_agent.backends import registry
 from node_agent.config import EngineConfig
 from node_agent.launch import LaunchError, build_launch
 from node_agent.supervisor import EngineState
-from tandem.v1 import registry_pb2_grpc
 from tests.helpers import eventually, free_ports
 from tests.node_agent.backends.fast_sim import TYPE, FastSimBackend
-from tests.node_agent.test_supervision import FakeRegistry
+from tests.node_agent.test_supervision import FakeRegistry, serving
 
 
 @pytest.fixture
@@ -30,13 +28,8 @@ def fast_sim(monkeypatch):
 @pytest.fixture
 async def coordinator():
     """A fake coordinator Registry that records the instances registered with it."""
-    fake = FakeRegistry()
-    server = grpc.aio.server()
-    registry_pb2_grpc.add_RegistryServicer_to_server(fake, server)
-    fake.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    yield fake
-    await server.stop(0)
+    async with serving(FakeRegistry()) as fake:
+        yield fake
 
 
 def test_builtin_backends_and_a_duplicate():
