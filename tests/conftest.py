@@ -1,11 +1,25 @@
 """Tests mirror the source tree; what they share is in `tests.helpers` (fixtures built on it are here)."""
 
 import shutil
+import uuid
 
 import pytest
 
 from conductor.config import ConductorConfig
-from tests.helpers import ConductorServer, Etcd
+from tests.helpers import TEST_MARK_ENV, ConductorServer, Etcd, reap_marked
+
+
+@pytest.fixture(autouse=True)
+def _reap_leftover_processes(monkeypatch):
+    """Marks every process the test starts (through the environment they inherit) and kills those still running
+    when it ends, passed or failed: engines outlive their agent by design, so a test that fails half-way would
+    otherwise leave them serving and disturb the tests after it."""
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(TEST_MARK_ENV, mark)
+    yield
+    leftover = reap_marked(mark)
+    if leftover:
+        print(f"killed {len(leftover)} process(es) the test left running: {leftover}")
 
 
 @pytest.fixture

@@ -400,6 +400,41 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+#: Set to a fresh value for each test (tests/conftest.py): every process a test starts inherits it (engines too,
+#: through their agent), so whatever is left when the test ends can be found and killed.
+TEST_MARK_ENV = "TANDEM_TEST_MARK"
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Pids whose environment carries `TEST_MARK_ENV=mark`."""
+    needle = f"{TEST_MARK_ENV}={mark}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and pid_alive(int(entry.name)):
+            pids.append(int(entry.name))
+    return pids
+
+
+def reap_marked(mark: str, timeout: float = 10.0) -> list[int]:
+    """SIGKILLs every live process carrying `mark` and waits until they are gone; returns their pids."""
+    pids = processes_marked(mark)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_until(
+        lambda: not any(pid_alive(p) for p in pids), timeout, "leftover processes to die", interval=0.05
+    )
+    return pids
+
+
 def assert_envoy_accepts(mesh, tmp_path: Path) -> None:
     """The real Envoy binary accepts the bootstrap rendered for `mesh` (with certificates made for it)."""
     from mesh.certs import ensure_certs
