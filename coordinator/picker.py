@@ -23,7 +23,7 @@ from typing import Protocol
 
 from coordinator import metrics
 from coordinator.config import CoordinatorConfig, PdMode
-from coordinator.decision_log import Components, Decision, DecisionLog, components
+from coordinator.decision_log import Components, DecisionLog, components
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
@@ -231,12 +231,13 @@ class EndpointPicker:
         chosen: tuple[str, ...],
         predicted_ttft_s: float | None = None,
     ) -> None:
-        """Keeps one scoring in the decision log: references only, nothing computed or formatted here."""
-        decision = Decision(
+        """Keeps one scoring in the decision log (`decision_log.Decision`'s fields as a plain tuple): references
+        only, nothing computed or formatted here."""
+        entry = (
             time.time(), request_id, request.model, policy, stage, request.prompt_tokens, cands, chosen,
             predicted_ttft_s,
         )  # fmt: skip
-        self.decisions.record(decision)
+        self.decisions.record(entry)
 
     async def _choose(
         self,

@@ -10,8 +10,8 @@ from coordinator.picker import candidate_attributes
 from tests.helpers import make_picker, pd_picker
 
 
-def decision(i: int, model: str = "m") -> Decision:
-    return Decision(float(i), f"r{i}", model, "least_load", "aggregated", 10, (), ("i0",))
+def decision(i: int, model: str = "m") -> tuple:
+    return tuple(Decision(float(i), f"r{i}", model, "least_load", "aggregated", 10, (), ("i0",)))
 
 
 def test_the_ring_keeps_the_newest_and_lists_them_newest_first():
