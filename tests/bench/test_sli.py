@@ -46,13 +46,13 @@ def test_each_answer_pairs_with_its_decision_by_the_minted_id():
     assert predicted_hits(decisions[1]) == ("sim-0", 100)  # capped at the prompt
     answers = [
         ("cmpl-tdm-a", {"prompt_tokens_details": {"cached_tokens": 48}}),  # exact
-        ("cmpl-tdm-b", {"prompt_tokens_details": {"cached_tokens": 64}}),  # 36 fewer than predicted
+        ("cmpl-tdm-b", {"prompt_tokens_details": {"cached_tokens": 64}}),  # 36 fewer than predicted (100)
         ("cmpl-tdm-c", {"prompt_tokens_details": None}),  # nothing cached, nothing predicted
         ("cmpl-tdm-gone", {}),  # pushed out of the ring
     ]
-    errors, unpaired = pair(decisions, answers)
-    assert errors == {"sim-0": [0, -36], "sim-1": [0]} and unpaired == 1
+    pairs, unpaired = pair(decisions, answers)
+    assert pairs == {"sim-0": [(48, 48), (100, 64)], "sim-1": [(0, 0)]} and unpaired == 1
     rows = from_metrics(METRICS)
-    rows["sim-0"].errors = errors["sim-0"]
+    rows["sim-0"].pairs = pairs["sim-0"]
     text = table(rows)
-    assert "| `sim-0` | 4 | 24.0 | 16.0 | 2 | 18.0 | -18.0 | 50.0% |" in text
+    assert "| `sim-0` | 4 | 24.0 | 16.0 | 2 | 74.0 | 56.0 | 18.0 | -18.0 | 50.0% |" in text
