@@ -3,9 +3,9 @@
 
 Cheap when nobody asks: the decision path appends one plain tuple holding references it already has (the frozen
 `Candidate`s the policy was given, the chosen ids) to a `deque` with a `maxlen`; nothing is formatted or computed
-there, and the tuple becomes a `Decision` only when read. Each candidate's score components are computed when Admin lists them, by `components`, the same function
-that fills the `tandem.score` trace span's attributes (`coordinator.picker.candidate_attributes`): what an operator
-reads in `tandem top` is what a sampled trace shows.
+there, and the tuple becomes a `Decision` only when read. Each candidate's score components are computed when
+Admin lists them, by `components`, the same function that fills the `tandem.score` trace span's attributes
+(`coordinator.picker.candidate_attributes`): what an operator reads in `tandem top` is what a sampled trace shows.
 
 Pure: no I/O, no clock of its own (the caller gives the time).
 """
@@ -24,9 +24,7 @@ class Components(NamedTuple):
     """One candidate's score components as its policy saw them (the `tandem.candidate.<id>.<field>` span
     attributes carry the same fields)."""
 
-    matched_npu_tokens: (
-        int  # prompt tokens the conductor (and the predicted cache) found cached in its NPU memory
-    )
+    matched_npu_tokens: int  # prompt tokens found cached in its NPU memory (conductor and predicted cache)
     matched_cpu_tokens: int  # ... in its CPU offload tier
     matched_disk_tokens: int  # ... on its disk tier
     prefill_tokens: int  # prompt tokens committed to prefill on it and not yet computed
