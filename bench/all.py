@@ -79,6 +79,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "pressure/policies.md",
     ),
     (
+        "sli",
+        "Routing-quality SLI: predicted against delivered cache hits per instance on the held-out reuse workload",
+        ["bench.sli", "--requests", "400", "--output", "{out}/sli.md"],
+        "sli.md",
+    ),
+    (
         "pd",
         "P/D modes: prefill-first handoff and decode-first trigger",
         ["bench.pd", "--output", "{out}/pd.md"],

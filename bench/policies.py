@@ -25,8 +25,10 @@ import platform
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -65,12 +67,25 @@ class Row:
     result: ReplayResult
     hit_rate: float
     fallbacks: float = 0.0  # requests the coordinator scored on load alone (conductor Match timed out)
+    observed: Any = None  # what `run_row`'s `observe` read of the mesh after the replay
 
 
-def run_row(label: str, args, requests, workdir: Path, progress=None) -> Row:
-    """One fresh mesh (and peer router for a peer row), one replay."""
-    engine_args = ["--speedup", str(args.speedup), "--npu-blocks", str(args.npu_blocks)]
+def run_row(
+    label: str,
+    args,
+    requests,
+    workdir: Path,
+    progress=None,
+    extra_engine_args: Sequence[str] = (),
+    coordinator: Mapping[str, Any] | None = None,
+    observe: Callable[[Mesh, dict, list[str], ReplayResult], Any] | None = None,
+) -> Row:
+    """One fresh mesh (and peer router for a peer row), one replay. `extra_engine_args` go to every engine,
+    `coordinator` into the coordinator's section; `observe(mesh, config, engine addresses, result)` runs after the
+    replay while the mesh is still up (its answer in `Row.observed`)."""
+    engine_args = ["--speedup", str(args.speedup), "--npu-blocks", str(args.npu_blocks), *extra_engine_args]
     config = mesh_config(engines=args.engines, engine_args=engine_args)
+    config["coordinator"].update(coordinator or {})
     sections = scheduler_sections()
     if label in sections:
         config["coordinator"]["scheduler"] = sections[label]
@@ -100,11 +115,12 @@ def run_row(label: str, args, requests, workdir: Path, progress=None) -> Row:
         if peer is None:
             name = "tandem_coordinator_match_fallbacks_total"
             fallbacks = engine_counters(config["coordinator"]["metrics_listen"], (name,))[name]
+        observed = observe(mesh, config, engines, result) if observe is not None else None
     finally:
         if peer is not None:
             peer.stop()
         mesh.stop()
-    return Row(label, result, (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan"), fallbacks)
+    return Row(label, result, (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan"), fallbacks, observed)
 
 
 def run_row_isolated(label: str, args, requests, workdir: Path) -> Row:

@@ -31,6 +31,9 @@ class ReplayResult:
     output_tokens: int = 0
     errors: int = 0
     wall_s: float = 0.0
+    #: Per answered request: the response's `id` (`cmpl-<the engine's X-Request-Id>`: through the mesh, the id the
+    #: coordinator minted) and its final `usage` (`prompt_tokens_details` with `--enable-prompt-tokens-details`).
+    answers: list[tuple[str, dict]] = field(default_factory=list)
 
     def pct(self, values: list[float], q: int) -> float:
         """The q-th percentile of `values`."""
@@ -56,6 +59,7 @@ async def _one(
     start = time.perf_counter()
     first = None
     tokens = 0
+    rid, final_usage = "", {}
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -68,9 +72,11 @@ async def _one(
                 chunk = json.loads(line[6:])
                 if chunk.get("choices") and first is None:
                     first = time.perf_counter()
+                    rid = chunk.get("id", "")
                 usage = chunk.get("usage")
                 if usage:
                     tokens = usage.get("completion_tokens", tokens)
+                    final_usage = usage
     except (TimeoutError, aiohttp.ClientError):
         out.errors += 1
         return
@@ -80,6 +86,7 @@ async def _one(
     out.ttft_s.append(first - start)
     out.latency_s.append(time.perf_counter() - start)
     out.output_tokens += tokens
+    out.answers.append((rid, final_usage))
 
 
 async def replay(url: str, model: str, requests: list[TraceRequest], progress=None) -> ReplayResult:

@@ -82,6 +82,11 @@ three long prompts), a generated multi-tenant RAG workload (`tenants_rag`, seed 
 tables never tuned on), arrivals at 50% of round robin's prefill capacity with unbounded caches (queues build up
 with these caches), text prompts as real clients send them. Every row is replayed three times, rows interleaved,
 each in a fresh mesh; the second table gives the mean of the runs with half their range.""",
+    "sli": """Issue 25's check: the coordinator's prediction of each request's cache hit against what the engine
+found, per instance, on the held-out reuse workload of the section above (`tenants_rag`, seed 7, 1,024-block
+engines, 50% load) replayed once through a mesh on kv_affinity. The first columns are what an operator reads on
+the coordinator's `/metrics` (docs/operations.md "Routing quality"); the error columns pair each request's
+prediction (`Admin/ListDecisions`) with the engine's own per-request `cached_tokens`. Hit counts, not timings.""",
     "validate": """Small enough to run in real time: 2 engines at speedup 2, 150 requests, arrivals x0.625 (the same
 load per engine as the replay above). The real-time rows are `bench.policies` replays; the simulator replays the
 same token ids with the same policies objects, the conductor's index and simengine's scheduler, cache and timing

@@ -434,6 +434,9 @@ class CoordinatorConfig(BaseModel):
     decision_inline_bytes: int = Field(default=8192, ge=0)
     """Bodies up to this size are parsed and tokenized on the event loop; larger ones in worker processes, so
     that one huge prompt does not stall the decisions of others."""
+    recent_decisions: int = Field(default=256, ge=0)
+    """Routing decisions kept, with every candidate's score components, for `Admin/ListDecisions` and `tandem top`
+    (the oldest pushed out; 0: none kept)."""
     decision_processes: int = Field(default=1, ge=0)
     """Worker processes parsing and tokenizing large bodies (0: every body on the event loop)."""
     limits: RequestLimits = RequestLimits()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from coordinator.decision_log import Decision, components
 from coordinator.instances import EngineLoad, Health, InstanceInfo, InstanceState
 from tandem.netaddr import split_host_port
 from tandem.v1 import admin_pb2, common_pb2
@@ -122,3 +123,34 @@ def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:
         registered_at=_timestamp(state.registered_at),
         last_heartbeat_at=_timestamp(state.last_heartbeat_at),
     )
+
+
+def decision_to_proto(d: Decision) -> admin_pb2.Decision:
+    """One kept decision as Admin lists it: its candidates' score components computed now (`decision_log`)."""
+    out = admin_pb2.Decision(
+        request_id=d.request_id,
+        model=d.model,
+        policy=d.policy,
+        stage=d.stage,
+        chosen=d.chosen,
+        prompt_tokens=d.isl,
+        predicted_ttft_seconds=d.predicted_ttft_s or 0.0,
+    )
+    out.decided_at.FromNanoseconds(int(d.at * 1e9))
+    for c in d.candidates:
+        iid = c.instance_id
+        k = components(c, d.isl)
+        out.candidates.append(
+            admin_pb2.CandidateScore(
+                instance_id=iid,
+                matched_npu_tokens=k.matched_npu_tokens,
+                matched_cpu_tokens=k.matched_cpu_tokens,
+                matched_disk_tokens=k.matched_disk_tokens,
+                prefill_tokens=k.prefill_tokens,
+                decode_tokens=k.decode_tokens,
+                inflight=k.inflight,
+                predicted_ttft_seconds=k.predicted_ttft_s,
+                chosen=iid in d.chosen,
+            )
+        )
+    return out

@@ -16,12 +16,14 @@ Modes, per model (`coordinator.pd_mode`; `auto` picks P/D when the model has pre
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator import metrics
 from coordinator.config import CoordinatorConfig, PdMode
+from coordinator.decision_log import Components, DecisionLog, components
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState, InstanceTable
 from coordinator.kv_match import ConductorMatcher
@@ -109,19 +111,14 @@ def candidates(
 
 
 def candidate_attributes(cands: Sequence[Candidate], chosen: Candidate | None, isl: int) -> dict[str, object]:
-    """Each candidate's score components as span attributes (`tandem.candidate.<id>.<component>`) and the
-    choice: what an operator reads to see why a request went where it went."""
+    """Each candidate's score components (`decision_log.components`, as `Admin/ListDecisions` lists them) as span
+    attributes (`tandem.candidate.<id>.<component>`) and the choice: what an operator reads to see why a request
+    went where it went."""
     out: dict[str, object] = {}
     for c in cands:
         key = f"tandem.candidate.{c.instance_id}"
-        m = c.match
-        out[f"{key}.matched_npu_tokens"] = m.npu_blocks * m.block_size
-        out[f"{key}.matched_cpu_tokens"] = m.cpu_blocks * m.block_size
-        out[f"{key}.matched_disk_tokens"] = m.disk_blocks * m.block_size
-        out[f"{key}.prefill_tokens"] = c.prefill_tokens
-        out[f"{key}.decode_tokens"] = c.decode_tokens
-        out[f"{key}.inflight"] = c.inflight
-        out[f"{key}.predicted_ttft_s"] = prefill_s(c, isl)
+        for name, value in zip(Components._fields, components(c, isl), strict=True):
+            out[f"{key}.{name}"] = value
     if chosen is not None:
         out["tandem.chosen"] = chosen.instance_id
     return out
@@ -168,6 +165,8 @@ class EndpointPicker:
         self.fallbacks = fallbacks
         #: Context length per model, from the mesh file's `models[].max_model_len` (checked when known).
         self.max_model_len: dict[str, int] = {}
+        #: The last scorings with their candidates, for `Admin/ListDecisions` (`coordinator.recent_decisions`).
+        self.decisions = DecisionLog(config.recent_decisions)
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
         """`understanding.understand_body` with this picker's models; 400 for bad input, 404 for an unknown model."""
@@ -222,21 +221,48 @@ class EndpointPicker:
             matches = self.predicted.overlay(hashes, matches, ids, block_size)
         return matches, hashes
 
+    def _record(
+        self,
+        stage: str,
+        policy: str,
+        request_id: str,
+        request: OpenAIRequest,
+        cands: Sequence[Candidate],
+        chosen: tuple[str, ...],
+        predicted_ttft_s: float | None = None,
+    ) -> None:
+        """Keeps one scoring in the decision log (`decision_log.Decision`'s fields as a plain tuple): references
+        only, nothing computed or formatted here."""
+        entry = (
+            time.time(), request_id, request.model, policy, stage, request.prompt_tokens, cands, chosen,
+            predicted_ttft_s,
+        )  # fmt: skip
+        self.decisions.record(entry)
+
     async def _choose(
-        self, policy: Policy, request_id: str, request: OpenAIRequest, states: Sequence[InstanceState]
+        self,
+        policy: Policy,
+        request_id: str,
+        request: OpenAIRequest,
+        states: Sequence[InstanceState],
+        stage: str,
     ) -> tuple[Candidate, tuple[int, ...]]:
         """`policy`'s pick among `states` (the ledger's figures, and the conductor's facts when it asks), with the
-        chain hashes the facts were asked with."""
+        chain hashes the facts were asked with; kept in the decision log as `stage`."""
         matches, hashes = await self._matches(policy, request_id, request, states)
         facts = RequestFacts(request_id, request.model, request.prompt_tokens, request.max_tokens, hashes)
         cands = self._candidates(states, matches)
         metrics.decided(policy.name)
         if not tracing.ENABLED:
-            return policy.pick(facts, cands), hashes
-        with tracing.span("tandem.score", attributes={"tandem.policy": policy.name}) as current:
             chosen = policy.pick(facts, cands)
-            if current is not None:
-                tracing.set_attributes(current, candidate_attributes(cands, chosen, request.prompt_tokens))
+        else:
+            with tracing.span("tandem.score", attributes={"tandem.policy": policy.name}) as current:
+                chosen = policy.pick(facts, cands)
+                if current is not None:
+                    tracing.set_attributes(
+                        current, candidate_attributes(cands, chosen, request.prompt_tokens)
+                    )
+        self._record(stage, policy.name, request_id, request, cands, (chosen.instance_id,))
         return chosen, hashes
 
     def _predict(self, policy: AsksFacts, leg: Leg, hashes: tuple[int, ...]) -> None:
@@ -265,7 +291,7 @@ class EndpointPicker:
                     503, f"No healthy instance serves the model `{model}` right now; retry later."
                 )
             policy = self.policy
-            chosen, hashes = await self._choose(policy, request_id, request, states)
+            chosen, hashes = await self._choose(policy, request_id, request, states, "aggregated")
             matched = min(chosen.match.matched_tokens, isl)
             leg = Leg(
                 chosen.state,
@@ -289,7 +315,7 @@ class EndpointPicker:
         if self.pair is not None:
             return await self._decide_pair(request, request_id, mode, decodes)
         policy = self.decode_policy
-        decode, hashes = await self._choose(policy, request_id, request, decodes)
+        decode, hashes = await self._choose(policy, request_id, request, decodes, "decode")
         leg = Leg(decode.state, self._commit(decode.state, 0, out, isl + out, isl * request.n), decode.match)
         self._predict(policy, leg, hashes)
         picked = Pick(request, request_id, mode, leg)
@@ -313,6 +339,10 @@ class EndpointPicker:
                 attributes.update(candidate_attributes(d_cands, choice.decode, isl))
                 attributes["tandem.predicted_ttft_s"] = choice.ttft_s
                 tracing.set_attributes(current, attributes)
+        chosen = (c.instance_id for c in (choice.prefill, choice.decode) if c is not None)
+        self._record(
+            "pair", "pd_joint", request_id, request, [*p_cands, *d_cands], tuple(chosen), choice.ttft_s
+        )
         d = choice.decode
         if choice.prefill is None:
             matched = min(d.match.matched_tokens, isl)
@@ -379,6 +409,7 @@ class EndpointPicker:
                 if current is not None:
                     attributes = candidate_attributes(cands, chosen, request.prompt_tokens)
                     tracing.set_attributes(current, attributes)
+            self._record("prefill", self.policy.name, pick.request_id, request, cands, (chosen.instance_id,))
         isl = request.prompt_tokens
         matched = min(chosen.match.matched_tokens, isl)
         leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)

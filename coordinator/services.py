@@ -18,7 +18,13 @@ from coordinator.admission import NodeBook, registration_refusal
 from coordinator.attempts import PrefillLegFailed, UnknownAttempt
 from coordinator.capacity import DemandMeter, Sizing
 from coordinator.config import CoordinatorConfig
-from coordinator.convert import HEALTH_NAMES, instance_from_proto, load_from_proto, status_to_proto
+from coordinator.convert import (
+    HEALTH_NAMES,
+    decision_to_proto,
+    instance_from_proto,
+    load_from_proto,
+    status_to_proto,
+)
 from coordinator.decision import Decider, RequestCounters
 from coordinator.flow_gate import FlowGate
 from coordinator.instance_probe import HealthProber
@@ -396,6 +402,14 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             )
             for tier, c in sorted(a.counts.items())
         ]
+
+    async def ListDecisions(self, request, context) -> admin_pb2.ListDecisionsResponse:
+        log = self.picker.decisions
+        return admin_pb2.ListDecisionsResponse(
+            decisions=[decision_to_proto(d) for d in log.recent(request.limit, request.model)],
+            capacity=log.capacity,
+            recorded_total=log.recorded,
+        )
 
     async def GetStats(self, request, context) -> admin_pb2.GetStatsResponse:
         ledger = self.picker.ledger

@@ -14,8 +14,11 @@ What it shows, and where each figure comes from (nothing is estimated here that 
 - per P/D model: the legs in flight (requests in flight on its prefill and on its decode instances), the sizing
   signal's utilisation per role and the split it suggests (`sizing`).
 
-Recent routing decisions with their candidates' scores are not shown: Admin does not expose them (each decision's
-scores are in its `tandem.score` trace span, docs/operations.md "Tracing").
+- recent routing decisions (`Admin/ListDecisions`, the newest `DECISIONS_SHOWN`): when, the request id, model,
+  policy and stage, the chosen instance(s) with the score components the policy saw for them (prompt tokens found
+  cached, queued prefill, predicted TTFT), and the same, shorter, for every other candidate. The figures are the
+  ones a sampled `tandem.score` trace span carries (docs/operations.md "Tracing"). A coordinator too old to serve
+  `ListDecisions` is named in the panel, the rest of the screen still shown.
 
 Pure: `Sample`, `hit_rate` and `render` decide what is shown; `run` polls and draws.
 """
@@ -36,6 +39,8 @@ from tandem.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 #: Seconds of samples the windowed hit rate spans.
 HIT_WINDOW_S = 10.0
+#: Recent decisions shown (the newest).
+DECISIONS_SHOWN = 8
 _HEALTH_STYLE = {"HEALTHY": "green", "STARTING": "yellow", "UNHEALTHY": "bold red", "GONE": "bold red"}
 
 
@@ -46,6 +51,8 @@ class Sample:
     at: float
     instances: list[admin_pb2.InstanceStatus]
     stats: admin_pb2.GetStatsResponse
+    #: The newest decisions, newest first; None when the coordinator does not serve `ListDecisions`.
+    decisions: list[admin_pb2.Decision] | None = field(default_factory=list)
 
 
 @dataclass
@@ -190,6 +197,40 @@ def _pd_table(now: Sample) -> Table | None:
     return table
 
 
+def _seconds(value: float) -> str:
+    return f"{1000 * value:.0f}ms" if value < 1 else f"{value:.2f}s"
+
+
+def _hit(c: admin_pb2.CandidateScore) -> int:
+    """Prompt tokens the candidate was expected to have cached, every tier."""
+    return c.matched_npu_tokens + c.matched_cpu_tokens + c.matched_disk_tokens
+
+
+def _decisions_table(decisions: list[admin_pb2.Decision] | None) -> Table | Text:
+    if decisions is None:
+        return Text("recent decisions: this coordinator does not serve Admin/ListDecisions (older version)")
+    table = Table(title="recent decisions", title_justify="left", expand=True)
+    for name in ("TIME", "REQUEST", "MODEL", "POLICY", "STAGE", "CHOSEN"):
+        table.add_column(name, no_wrap=True)
+    for name in ("PROMPT", "HIT TOK", "QUEUED", "PRED TTFT"):
+        table.add_column(name, no_wrap=True, justify="right")
+    table.add_column("OTHER CANDIDATES (hit tok / queued / pred ttft)", no_wrap=True, overflow="ellipsis")
+    for d in decisions:
+        chosen = [c for c in d.candidates if c.chosen]
+        others = sorted((c for c in d.candidates if not c.chosen), key=lambda c: c.instance_id)
+        ttft = (
+            d.predicted_ttft_seconds if d.stage == "pair" else sum(c.predicted_ttft_seconds for c in chosen)
+        )
+        table.add_row(
+            time.strftime("%H:%M:%S", time.localtime(d.decided_at.seconds)), d.request_id, d.model, d.policy,
+            d.stage, ",".join(d.chosen), str(d.prompt_tokens), "/".join(str(_hit(c)) for c in chosen),
+            "/".join(str(c.prefill_tokens) for c in chosen), _seconds(ttft),
+            "  ".join(f"{c.instance_id} {_hit(c)}/{c.prefill_tokens}/{_seconds(c.predicted_ttft_seconds)}"
+                      for c in others),
+        )  # fmt: skip
+    return table
+
+
 def render(history: History, source: str, error: str | None = None) -> Group:
     """The whole screen for the latest sample of `history` (and `error`, the last poll's failure, if any)."""
     parts: list = []
@@ -209,20 +250,25 @@ def render(history: History, source: str, error: str | None = None) -> Group:
         parts.append(_instances_table(history, now))
         tables: Iterable[Table | None] = (_tiers_table(now.stats), _pd_table(now))
         parts.extend(t for t in tables if t is not None)
-    parts.append(
-        Text(
-            "Recent decisions and their scores: not exposed by Admin (see the tandem.score trace spans). "
-            "Ctrl-C quits.",
-            style="dim",
-        )
-    )
+        parts.append(_decisions_table(now.decisions))
+    parts.append(Text("Ctrl-C quits.", style="dim"))
     return Group(*parts)
 
 
 def poll(stub: admin_pb2_grpc.AdminStub, timeout: float = 2.0) -> Sample:
+    import grpc
+
     instances = stub.ListInstances(admin_pb2.ListInstancesRequest(), timeout=timeout).instances
     stats = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=timeout)
-    return Sample(time.monotonic(), list(instances), stats)
+    decisions: list[admin_pb2.Decision] | None
+    try:
+        listed = stub.ListDecisions(admin_pb2.ListDecisionsRequest(limit=DECISIONS_SHOWN), timeout=timeout)
+        decisions = list(listed.decisions)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        decisions = None
+    return Sample(time.monotonic(), list(instances), stats, decisions)
 
 
 def _error(exc: Exception) -> str:

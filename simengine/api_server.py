@@ -61,6 +61,7 @@ class EngineServer:
             cfg.max_model_len,
             self.connector,
             cfg.enable_request_id_headers,
+            cfg.enable_prompt_tokens_details,
         )
         self.created = int(time.time())
         self.runtime_lora = runtime_lora_allowed(os.environ)

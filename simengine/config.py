@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--disable-uvicorn-access-log", action="store_true", help="accepted and ignored")
     v.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="accepted and ignored")
     v.add_argument("--trust-remote-code", action="store_true", help="accepted and ignored")
+    v.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache), "
+                        "as vLLM")  # fmt: skip
     v.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer every response with X-Request-Id (the request's, else a new one), as vLLM")  # fmt: skip
     v.add_argument("--otlp-traces-endpoint", default=None,
@@ -225,6 +228,7 @@ class EngineConfig:
     fault_event_gap_every: int
     fault_seed: int
     enable_request_id_headers: bool = False
+    enable_prompt_tokens_details: bool = False
     enable_scale_out: bool = False
     otlp_traces_endpoint: str | None = None
     gpu_memory_utilization: float = 0.9
@@ -308,6 +312,7 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
         fault_event_gap_every=a.fault_event_gap_every,
         fault_seed=a.fault_seed,
         enable_request_id_headers=a.enable_request_id_headers,
+        enable_prompt_tokens_details=a.enable_prompt_tokens_details,
         enable_scale_out=a.enable_scale_out,
         otlp_traces_endpoint=a.otlp_traces_endpoint,
         gpu_memory_utilization=a.gpu_memory_utilization,

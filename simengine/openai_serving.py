@@ -65,6 +65,7 @@ class OpenAIServing:
         max_model_len: int,
         connector: KVConnector | None = None,
         request_id_headers: bool = False,
+        prompt_tokens_details: bool = False,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -73,6 +74,8 @@ class OpenAIServing:
         self.connector = connector
         #: vLLM's `--enable-request-id-headers`: SSE responses carry X-Request-Id too (set before streaming).
         self.request_id_headers = request_id_headers
+        #: vLLM's `--enable-prompt-tokens-details`: usage reports the prompt tokens found in the prefix cache.
+        self.prompt_tokens_details = prompt_tokens_details
         self.eos = tokenizer.eos_token_id
         self._text: dict[int, str] = {}
         self._jtext: dict[int, bytes] = {}
@@ -307,10 +310,17 @@ class OpenAIServing:
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None,
+            "prompt_tokens_details": self._cached_details(group.seqs[:: params.n]),
             "completion_tokens_details": None,
         }
         return json_response(encoder.body(answer, usage, kv_params))
+
+    def _cached_details(self, seqs) -> dict[str, int] | None:
+        """`usage.prompt_tokens_details` as vLLM answers it: `{"cached_tokens": N}` (the prompt tokens its prefix
+        cache held when each prompt was first scheduled) with `--enable-prompt-tokens-details`, else null."""
+        if not self.prompt_tokens_details:
+            return None
+        return {"cached_tokens": sum(max(s.req.num_cached_tokens, 0) for s in seqs)}
 
     # -- streaming --------------------------------------------------------------------------------------------
 
@@ -378,7 +388,8 @@ class OpenAIServing:
             if finished and params.include_usage:
                 prompt_tokens = sum(len(s.req.prompt_token_ids) for s in group.seqs[:: params.n])
                 completion_tokens = sum(len(s.req.output_token_ids) for s in group.seqs)
-                parts.append(chunks.usage(prompt_tokens, completion_tokens))
+                details = self._cached_details(group.seqs[:: params.n])
+                parts.append(chunks.usage(prompt_tokens, completion_tokens, details))
             if finished:
                 parts.append(_DONE)
             if parts:

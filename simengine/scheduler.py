@@ -211,12 +211,14 @@ class Scheduler:
                 continue
             computed = kv.get_computed_blocks(req)
             hit = computed.num_blocks * kv.block_size
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit
             if req.needs_remote_kv:
                 if not kv.allocate_slots(req, req.num_tokens - hit, computed):
                     break
                 waiting.popleft()
+                if (
+                    req.num_cached_tokens < 0
+                ):  # as vLLM: the hit when scheduled, not at an attempt that waited
+                    req.num_cached_tokens = hit
                 self.stats.local_cache_hit += hit
                 req.status = Status.WAITING_FOR_REMOTE_KVS
                 self.remote_waiting.append(req)
@@ -226,6 +228,8 @@ class Scheduler:
             if not kv.allocate_slots(req, n, computed):
                 break
             waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit
             if req.num_preemptions == 0 or req.status != Status.PREEMPTED:
                 self.stats.local_cache_hit += hit
             req.status = Status.RUNNING

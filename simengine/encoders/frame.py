@@ -33,9 +33,11 @@ class StreamFrame:
         self.fp = fp
         self.fp_on_finish = b"" if params.include_usage else fp
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                 "completion_tokens": completion_tokens}  # fmt: skip
+    def usage(self, prompt_tokens: int, completion_tokens: int, prompt_details: dict | None = None) -> bytes:
+        usage: dict = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                       "completion_tokens": completion_tokens}  # fmt: skip
+        if prompt_details is not None:  # vLLM's stream leaves the key out unless it reports the details
+            usage["prompt_tokens_details"] = prompt_details
         return self.top + b',"choices":[],"usage":' + encode(usage) + self.fp + b"}\n\n"
 
 

@@ -89,8 +89,9 @@ class ChunkStream(Protocol):
         `null`."""
         ...
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        """The closing usage chunk (`stream_options.include_usage`)."""
+    def usage(self, prompt_tokens: int, completion_tokens: int, prompt_details: dict | None = None) -> bytes:
+        """The closing usage chunk (`stream_options.include_usage`); `prompt_details` its
+        `prompt_tokens_details` (`--enable-prompt-tokens-details`), left out when None."""
         ...
 
 

@@ -221,6 +221,9 @@ async def test_the_joint_choice_pairs_the_idle_prefill_instance_with_a_decode_in
     pick = await picker.decide("completions", body(prompt="x " * 500), "a")
     assert pick.mode == PdMode.HANDOFF and pick.target.instance.info.instance_id == "d2"
     assert pick.planned.prefill.instance_id == "p2" and not pick.planned.cross_node
+    (kept,) = picker.decisions.recent()  # the decision log: one joint choice, prefill then decode
+    assert (kept.stage, kept.policy, kept.chosen) == ("pair", "pd_joint", ("p2", "d2"))
+    assert kept.predicted_ttft_s == pick.planned.ttft_s and len(kept.candidates) == 4
     leg = await picker.pick_prefill(pick, set())
     assert leg.instance.info.instance_id == "p2"
     assert picker.ledger.prefill_tokens("p2") == pick.request.prompt_tokens  # committed when sent

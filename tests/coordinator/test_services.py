@@ -3,6 +3,8 @@ Metaserver errors on loopback as gRPC callers see them."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import prometheus_client
 import pytest
@@ -11,9 +13,11 @@ import yaml
 from coordinator.app import build
 from coordinator.capacity import Limits, prefill_capacity
 from coordinator.config import CoordinatorConfig
-from coordinator.instances import InstanceTable
+from coordinator.instances import InstanceInfo, InstanceTable
 from coordinator.services import RegistryService
+from mesh.certs import ensure_certs
 from mesh.config import parse_mesh_config
+from tandem import tls
 from tandem.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -282,5 +286,49 @@ async def test_heartbeats_feed_the_pd_sizing_signal_on_getstats_and_metrics(monk
         )
         assert 'tandem_coordinator_pd_utilisation{model="tandem-sim",role="decode"} 0.0' in text
         assert 'tandem_coordinator_pd_suggested_instances{model="tandem-sim",role="prefill"} 1.0' in text
+    finally:
+        await coordinator.app.server.stop(0)
+
+
+async def test_list_decisions_answers_the_operator_only_with_each_candidates_scores(monkeypatch, tmp_path):
+    """`Admin/ListDecisions` over mutual TLS: the operator's certificate reads the decisions, newest first, with
+    the chosen instance and every candidate's score components; a node agent's is refused, naming the method."""
+    monkeypatch.setenv("TANDEM_NO_BANNER", "1")
+    config = mesh_config(engines=2, policy="kv_affinity")
+    config["coordinator"]["probe_instances"] = False
+    mesh = parse_mesh_config(config, "mesh.yaml")
+    ensure_certs(tmp_path, mesh)
+    coordinator = build(mesh, tls.TlsFiles.for_role(tmp_path, "coordinator"))
+    picker = coordinator.picker
+    for i in range(2):
+        picker.instances.register(
+            InstanceInfo(f"e{i}", "tandem-sim", f"127.0.0.1:{i + 1}", "hybrid", "aggregated")
+        )
+    body = json.dumps({"model": "tandem-sim", "prompt": "the same words " * 30, "max_tokens": 8}).encode()
+    for k in range(3):
+        await picker.decide("completions", body, f"tdm-{k}")
+    address = config["coordinator"]["listen"]
+    await coordinator.app.start()
+    try:
+        async with tls.aio_channel(address, tls.TlsFiles.for_role(tmp_path, "operator"), "coordinator") as ch:
+            reply = await admin_pb2_grpc.AdminStub(ch).ListDecisions(
+                admin_pb2.ListDecisionsRequest(limit=2), timeout=5
+            )
+        assert [d.request_id for d in reply.decisions] == ["tdm-2", "tdm-1"]
+        assert (reply.capacity, reply.recorded_total) == (256, 3)
+        newest = reply.decisions[0]
+        assert (newest.model, newest.policy, newest.stage) == ("tandem-sim", "kv_affinity", "aggregated")
+        assert newest.prompt_tokens > 0 and newest.decided_at.seconds > 0
+        assert sorted(c.instance_id for c in newest.candidates) == ["e0", "e1"]
+        (chosen,) = [c for c in newest.candidates if c.chosen]
+        assert list(newest.chosen) == [chosen.instance_id]
+        assert (
+            chosen.predicted_ttft_seconds > 0 and chosen.inflight >= 1
+        )  # the earlier requests, still in flight
+        async with tls.aio_channel(address, tls.TlsFiles.for_role(tmp_path, "agent/n1"), "coordinator") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await admin_pb2_grpc.AdminStub(ch).ListDecisions(admin_pb2.ListDecisionsRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "Admin/ListDecisions" in info.value.details() and "agent/n1" in info.value.details()
     finally:
         await coordinator.app.server.stop(0)

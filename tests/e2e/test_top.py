@@ -1,7 +1,8 @@
 """`tandem top` driven in a real terminal (tmux, 200x50) as an operator runs it: `tandem top --config FILE
 --certs-dir DIR` against a 4-engine mesh started by `tandem up` (mutual TLS: it reads Admin through Envoy with the
 operator's certificate) while clients send shared-prefix requests: every instance's id, health, load and hit rate is
-on screen; an engine SIGKILLed shows not HEALTHY within 2 s. Bounded: 2 clients for at most 60 s, each request with
+on screen, and a recent kv_affinity decision with the chosen engine's expected cache hit and predicted TTFT; an
+engine SIGKILLed shows not HEALTHY within 2 s. Bounded: 2 clients for at most 60 s, each request with
 a 30 s timeout; every wait has its deadline."""
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ def row(screen: str, instance_id: str) -> str:
     return next((line for line in screen.splitlines() if re.search(rf"\b{instance_id}\b", line)), "")
 
 
+#: A row of the recent decisions panel: time, request id, model, policy, stage, chosen engine, prompt tokens, then
+#: the chosen engine's score components: expected hit tokens (> 0: the shared prefix), queued prefill, predicted TTFT.
+DECISION_ROW = re.compile(
+    r"\d\d:\d\d:\d\d\s*│\s*tdm-[0-9a-f]{24}\s*│\s*tandem-sim\s*│\s*kv_affinity\s*│\s*aggregated\s*│\s*(sim-\d)\s*│"
+    r"\s*\d+\s*│\s*([1-9]\d*)\s*│\s*\d+\s*│\s*(\d+ms|\d+\.\d\ds)\s*│"
+)
+
+
 def test_top_shows_the_mesh_under_load_and_a_killed_engine_turning_unhealthy(mesh, tmp_path):
     stop = threading.Event()
 
@@ -110,10 +119,15 @@ def test_top_shows_the_mesh_under_load_and_a_killed_engine_turning_unhealthy(mes
                 and any(re.search(r"\b[1-9]\d*%", r) for r in rows)  # a hit rate
                 and "policy kv_affinity" in screen
                 and "service tiers" in screen
+                and DECISION_ROW.search(screen) is not None
             )
 
         try:
-            wait_until(everything_shown, 30, "tandem top to show every instance healthy with a hit rate")
+            wait_until(
+                everything_shown,
+                30,
+                "tandem top to show every instance healthy with a hit rate, and a scored decision",
+            )
         except Exception:
             print(terminal.screen(), terminal.tmux(["list-windows"]))
             raise
@@ -128,8 +142,15 @@ def test_top_shows_the_mesh_under_load_and_a_killed_engine_turning_unhealthy(mes
             "QUEUED PREFILL",
             "HIT 10s",
             "ATTAINMENT",
+            "recent decisions",
+            "PRED TTFT",
         ):
             assert header in screen, header
+        decided = DECISION_ROW.search(screen)
+        assert decided is not None and decided.group(1) in ENGINES
+        print(
+            f"a decision row: chosen {decided.group(1)}, hit {decided.group(2)} tok, predicted TTFT {decided.group(3)}"
+        )
 
         victim = mesh.engines()[VICTIM].pid
         os.kill(victim, signal.SIGKILL)

@@ -1,6 +1,7 @@
 """`tandem top`'s view, from Admin answers built here (the live terminal test is tests/e2e/test_top.py): hit
 rates from the engines' progress counters, an instance that vanished shown GONE, TTFT objective attainment and the
-queue per tier, P/D legs in flight per role, and an unreachable Admin named instead of a crash."""
+queue per tier, P/D legs in flight per role, recent decisions with their candidates' scores, and an unreachable
+Admin named instead of a crash."""
 
 from __future__ import annotations
 
@@ -48,7 +49,19 @@ def test_the_screen_shows_instances_tiers_and_pd_legs_and_a_vanished_instance():
         status("p0", 0, 50, common_pb2.ROLE_PREFILL, "pd", inflight=3),
         status("d0", 0, 0, common_pb2.ROLE_DECODE, "pd", inflight=1, health=3),
     ]
-    history.add(Sample(1.0, now, stats))
+    decision = admin_pb2.Decision(
+        request_id="tdm-abc",
+        model="m",
+        policy="kv_affinity",
+        stage="aggregated",
+        chosen=["a"],
+        prompt_tokens=300,
+    )
+    decision.decided_at.FromSeconds(1_700_000_000)
+    decision.candidates.add(instance_id="a", matched_npu_tokens=256, matched_cpu_tokens=16, prefill_tokens=44,
+                            predicted_ttft_seconds=0.012, chosen=True)  # fmt: skip
+    decision.candidates.add(instance_id="b", prefill_tokens=900, predicted_ttft_seconds=1.5)
+    history.add(Sample(1.0, now, stats, [decision]))
     screen = text(history)
     lines = {line.split()[1]: line for line in screen.splitlines() if line.startswith("│")}
     assert "HEALTHY" in lines["a"] and "80%" in lines["a"] and " 14 " in lines["a"]  # queued prefill 7 * 2
@@ -63,7 +76,18 @@ def test_the_screen_shows_instances_tiers_and_pd_legs_and_a_vanished_instance():
         line for line in screen.splitlines() if line.startswith("│") and " pd " in line and "0.90" in line
     )
     assert [c.strip() for c in pd.split("│")[1:-1]] == ["pd", "3", "1", "0.90", "0.20", "1:1", "2:1"]
-    assert "not exposed by Admin" in screen  # recent decisions: said, not invented
+    assert "recent decisions" in screen
+    row = next(line for line in screen.splitlines() if "tdm-abc" in line)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert cells[1:] == ["tdm-abc", "m", "kv_affinity", "aggregated", "a", "300", "272", "44", "12ms",
+                         "b 0/900/1.50s"]  # fmt: skip
+
+
+def test_a_coordinator_without_list_decisions_is_named_not_fatal():
+    history = History()
+    history.add(Sample(0.0, [status("a", 0, 0)], admin_pb2.GetStatsResponse(), None))
+    screen = text(history)
+    assert "does not serve Admin/ListDecisions" in screen and "HEALTHY" in screen
 
 
 def test_once_names_an_unreachable_admin_and_fails():

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from tests.helpers import ROOT
+from tests.simengine.conftest import EngineProc
 
 
 def test_health_ping_models_version(engine):
@@ -246,3 +247,29 @@ def test_priority_field_needs_the_priority_scheduling_policy(engine, engines):
     for value in (-1, 0, 1):
         status, reply = prio.post("/v1/completions", {**body, "priority": value})
         assert status == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_prompt_tokens_details_report_the_cached_prompt_tokens_as_vllm():
+    """`--enable-prompt-tokens-details`: `usage.prompt_tokens_details.cached_tokens` is what the prefix cache held
+    of the prompt (whole blocks); without the flag the details are null (and absent from a stream's usage)."""
+    prompt = {"model": "sim", "prompt": " ".join(f"w{i}" for i in range(70)), "max_tokens": 2}
+    streamed = {**prompt, "stream_options": {"include_usage": True}}
+    engine = EngineProc("--speedup", "1000", "--served-model-name", "sim", "--enable-prompt-tokens-details")
+    try:
+        first = engine.post("/v1/completions", prompt)[1]["usage"]
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        again = engine.post("/v1/completions", prompt)[1]["usage"]
+        cached = again["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < again["prompt_tokens"] and cached % 16 == 0
+        usage = json.loads(engine.stream("/v1/completions", streamed)[-2])["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
+    finally:
+        engine.stop()
+    plain = EngineProc("--speedup", "1000", "--served-model-name", "sim")
+    try:
+        assert plain.post("/v1/completions", prompt)[1]["usage"]["prompt_tokens_details"] is None
+        assert (
+            "prompt_tokens_details" not in json.loads(plain.stream("/v1/completions", streamed)[-2])["usage"]
+        )
+    finally:
+        plain.stop()

@@ -204,3 +204,20 @@ def test_timing_model_shapes():
         assert p.step_s([], 1, 10, load_tokens_disk=1000) > p.step_s([], 1, 10, load_tokens_cpu=1000)
         assert p.sources
     assert H100.expected_itl_s(1, 100) < ASCEND_910B.expected_itl_s(1, 100)
+
+
+def test_cached_tokens_are_counted_when_a_request_is_scheduled_not_when_it_waits_for_blocks():
+    """As vLLM's scheduler: `num_cached_tokens` (usage's `cached_tokens`) is the prefix hit when the request is
+    scheduled; an attempt that found no free blocks records nothing (the cache may hold more by the time it runs)."""
+    s = make(blocks=6, budget=64, bs=4)
+    x, b = req(16, "x", max_tokens=4), req(16, "bb", max_tokens=4)  # different prompts, 4 blocks each
+    s.add_request(x)
+    s.update(s.schedule())
+    s.add_request(b)
+    out = s.schedule()
+    assert (
+        b not in [r for r, _ in out.scheduled] and b.num_cached_tokens == -1
+    )  # 2 blocks free of the 4 needed
+    s.update(out)
+    run(s)
+    assert b.status is Status.FINISHED_LENGTH and b.num_cached_tokens == 0  # recorded when it did run
