@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from coordinator import metrics
+from coordinator.adapter_loader import AdapterLoader
 from coordinator.api_keys import ApiKeys
 from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
@@ -153,6 +154,10 @@ class Decider:
         self._pool = pool
         #: SLO-aware admission (`coordinator.flow_control`): None when off.
         self.flow: FlowGate | None = None
+        #: Loads a request's LoRA adapter onto the engine chosen for it when that engine lacks it
+        #: (`coordinator.adapter_loader`); None: adapters are sent on as they are (the engine answers 404 if it
+        #: does not serve one).
+        self.loader: AdapterLoader | None = None
         self.relearn: RelearnWindow | None = (
             None  # after a start: wait for registrations rather than answer 503
         )
@@ -255,7 +260,7 @@ class Decider:
                 if pooled:
                     assert self._pool is not None
                     request = await self._pool.understand(
-                        api, raw_body, picker.instances.known_models, picker.max_model_len
+                        api, raw_body, picker.instances.known_models, picker.max_model_len, picker.adapters
                     )
                 else:
                     request = picker.understand(api, raw_body)
@@ -314,6 +319,19 @@ class Decider:
                         "runs ext_authz. Set envoy.decision to ext_proc (or auto with P/D engines configured).",
                     )
                 )
+            adapter = pick.request.adapter
+            # The chosen engine serves the request's adapter before the request is sent on.
+            if adapter and self.loader is not None:
+                if extend is not None and pick.mode != PdMode.HANDOFF:  # (a handoff extends for its own leg)
+                    await extend()
+                target = pick.target.instance.info.instance_id
+                with tracing.span("tandem.adapter_load", attributes={"tandem.adapter": adapter}):
+                    try:
+                        await self.loader.ensure(pick.target.instance, adapter)
+                    except OpenAIError as exc:
+                        self.tickets.abort(ticket)
+                        log.info("adapter not placed", extra={"instance": target, "adapter": adapter})
+                        return self.reject(exc)
             if pick.mode == PdMode.AGGREGATED and self.engine_priority and extend is not None:
                 body = json.dumps(request.body).encode()  # with the tier's `priority`
             elif pick.mode == PdMode.TRIGGER:

@@ -1,0 +1,146 @@
+"""The shell of LoRA adapter placement: loads an adapter onto the engine the picker chose, through that node's agent
+(`NodeAgent.LoadAdapter`, reached through Envoy's control listener with the coordinator's certificate; the
+`tandem-node` header names the node, and the agent allows the call to the coordinator alone). What to load where
+is decided in `coordinator.adapter_placement`; this module only calls and records.
+
+Bounded: one load in flight per (instance, adapter), shared by every request waiting for it (a cancelled request
+does not cancel it); at most `max_loads_in_flight` loads at once; each within `load_timeout_s`, the wait for a load
+slot included. A failed load answers the request with an OpenAI-style error (500 when the engine refused the
+adapter or found nothing at its path; 503 when the agent or engine was unavailable or late) and holds the instance
+back for that adapter for `failed_hold_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import grpc
+
+from coordinator import metrics
+from coordinator.adapter_placement import AdapterHolds, LoadFailure, needs_load
+from coordinator.config import AdapterPlacementSettings
+from coordinator.errors import OpenAIError
+from coordinator.instances import InstanceState
+from tandem.tls import TlsFiles, aio_channel
+from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: The header Envoy's control listener routes NodeAgent calls by (`mesh.envoy.NODE_HEADER`).
+NODE_HEADER = "tandem-node"
+#: Answers that mean the adapter itself (or the engine's LoRA setup) is at fault: retrying does not help.
+_REFUSALS = {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+class AdapterLoader:
+    """Loads adapters where the picker sends their requests; see the module doc. `paths`: adapter name -> the path
+    the engine reads it from (the mesh file's `models[].adapters`)."""
+
+    def __init__(
+        self,
+        address: str,
+        tls: TlsFiles | None,
+        settings: AdapterPlacementSettings,
+        holds: AdapterHolds,
+        paths: Mapping[str, str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.address = address
+        self.tls = tls
+        self.settings = settings
+        self.holds = holds
+        self.paths = dict(paths)
+        self._clock = clock
+        self._channel: grpc.aio.Channel | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def ensure(self, state: InstanceState, adapter: str) -> None:
+        """Returns once `state`'s engine serves `adapter` (at once when it does already); OpenAIError when the load
+        fails or is late."""
+        iid = state.info.instance_id
+        if not needs_load(state, adapter, self.holds.recent(iid, self._clock())):
+            return
+        key = (iid, adapter)
+        load = self._inflight.get(key)
+        if load is None:
+            load = self._inflight[key] = asyncio.ensure_future(self._load(state, adapter))
+            load.add_done_callback(lambda _: self._inflight.pop(key, None))
+        await asyncio.shield(load)
+
+    async def _load(self, state: InstanceState, adapter: str) -> None:
+        info = state.info
+        timeout = self.settings.load_timeout_s
+        where = f"instance `{info.instance_id}`"
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.settings.max_loads_in_flight)
+        request = node_agent_pb2.LoadAdapterRequest(
+            instance_id=info.instance_id, adapter_name=adapter, adapter_path=self.paths.get(adapter, "")
+        )
+        started = self._clock()
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._slots:
+                    stub = node_agent_pb2_grpc.NodeAgentStub(self._channel_now())
+                    left = max(0.001, timeout - (self._clock() - started))
+                    await stub.LoadAdapter(request, timeout=left, metadata=((NODE_HEADER, info.node_id),))
+        except TimeoutError:
+            self._failed(
+                info.instance_id, adapter, f"the load on {where} took longer than {timeout:g} s", True
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.ALREADY_EXISTS:  # loaded meanwhile (by the agent or another replica)
+                self._loaded(info.instance_id, adapter)
+                return
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                message = f"the load on {where} took longer than {timeout:g} s"
+            else:
+                message = f"the load on {where} failed: {exc.details() or code.name}"
+            self._failed(info.instance_id, adapter, message, code not in _REFUSALS)
+        else:
+            self._loaded(info.instance_id, adapter)
+            log.info(
+                "adapter loaded",
+                extra={"instance": info.instance_id, "adapter": adapter, "seconds": self._clock() - started},
+            )
+
+    def _loaded(self, instance_id: str, adapter: str) -> None:
+        metrics.ADAPTER_LOADS.labels("ok").inc()
+        self.holds.loaded(instance_id, adapter, self._clock())
+
+    def _failed(self, instance_id: str, adapter: str, message: str, retryable: bool) -> None:
+        metrics.ADAPTER_LOADS.labels("unavailable" if retryable else "failed").inc()
+        self.holds.failed(instance_id, adapter, LoadFailure(message, retryable, self._clock()))
+        log.warning(
+            "adapter load failed", extra={"instance": instance_id, "adapter": adapter, "error": message}
+        )
+        raise OpenAIError(
+            503 if retryable else 500,
+            f"The adapter `{adapter}` could not be loaded: {message}. The instance is not chosen for it for "
+            f"{self.holds.failed_hold_s:g} s.",
+        )
+
+    def _channel_now(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = aio_channel(self.address, self.tls, "envoy")
+        return self._channel
+
+    async def close(self) -> None:
+        for load in list(self._inflight.values()):
+            load.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
