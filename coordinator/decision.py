@@ -123,6 +123,22 @@ def error_answer(error: OpenAIError) -> Answer:
     return Answer(error.status, error.body(), f"tandem_{error.status}", list(getattr(error, "headers", ())))
 
 
+def models_listing(models: list[str], adapters: dict[str, str], created: int) -> list[dict]:
+    """`/v1/models` entries as vLLM lists them: each model with `parent` null, then each of its adapters (name ->
+    base model) with `parent` its base model. Adapters of a model with no routable instance are left out, as the
+    model is."""
+    data: list[dict] = []
+    for model in models:
+        data.append(
+            {"id": model, "object": "model", "created": created, "owned_by": "tandem", "parent": None}
+        )
+        for name in sorted(a for a, base in adapters.items() if base == model):
+            data.append(
+                {"id": name, "object": "model", "created": created, "owned_by": "tandem", "parent": model}
+            )
+    return data
+
+
 class Decider:
     """Routes one request at a time; see the module doc."""
 
@@ -185,11 +201,9 @@ class Decider:
                 return self.reject(OpenAIError(405, f"Use POST for {path}."))
             return None
         if path == "/v1/models" and method == "GET":
-            now = int(time.time())
-            data = [
-                {"id": m, "object": "model", "created": now, "owned_by": "tandem"}
-                for m in self.picker.instances.routable_models()
-            ]
+            data = models_listing(
+                self.picker.instances.routable_models(), self.picker.adapters, int(time.time())
+            )
             return Answer(200, json.dumps({"object": "list", "data": data}).encode(), "tandem_models")
         if path in ("/health", "/ping") and method == "GET":
             return Answer(200, b"", "tandem_health")

@@ -1,12 +1,13 @@
 """A request naming a LoRA adapter (its `model` field): resolved to the adapter's base model, routed among the base
 model's instances that hold the adapter or can take it, the conductor asked about the adapter's own KV blocks;
-an unknown name is vLLM's 404."""
+an unknown name is vLLM's 404; `/v1/models` lists each adapter under its base model."""
 
 import json
 
 import pytest
 
 from coordinator.adapter_placement import AdapterHolds, LoadFailure
+from coordinator.decision import Decider, models_listing
 from coordinator.errors import OpenAIError
 from coordinator.scheduling import KvMatch
 from tandem.chain_hash import adapter_root, chain_hashes
@@ -134,3 +135,18 @@ async def test_the_conductor_is_asked_about_the_adapters_own_blocks():
     assert adapter == "a" and hashes == tuple(chain_hashes(tokens, 16, parent=adapter_root("a")))
     assert base_adapter == "" and base_hashes == tuple(chain_hashes(tokens, 16))
     assert hashes != base_hashes
+
+
+def test_models_listing_names_each_adapter_under_its_base_model_as_vllm_does():
+    data = models_listing(["m", "n"], {"a": "m", "b": "m", "x": "gone"}, 7)
+    assert [(d["id"], d["parent"]) for d in data] == [("m", None), ("a", "m"), ("b", "m"), ("n", None)]
+    assert all(d["object"] == "model" and d["created"] == 7 for d in data)
+
+
+def test_v1_models_answer_lists_adapters():
+    picker = lora_picker()
+    decider = Decider(picker, None, None, None)  # type: ignore[arg-type]
+    answer = decider.without_body("GET", "/v1/models")
+    assert answer is not None and answer.status == 200
+    ids = [(d["id"], d["parent"]) for d in json.loads(answer.body)["data"]]
+    assert ids == [("m", None), ("a", "m"), ("b", "m")]
