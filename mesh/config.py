@@ -6,6 +6,7 @@ Every section belongs to the component that reads it (`coordinator.config`, `con
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -384,10 +385,24 @@ class MeshConfig(BaseModel):
 
 
 def parse_mesh_config(data: Any, path: str = "<config>") -> MeshConfig:
-    """Validates a loaded YAML document; raises ConfigError naming the first bad key."""
+    """Validates a loaded YAML document; raises ConfigError naming the first bad key. Adapter paths starting with
+    `./` or `../` are taken from the mesh file's directory (made absolute: engines and agents check for that)."""
     config = validate(MeshConfig, data, path)
     config.path = path
+    base = Path(path).resolve().parent if path != "<config>" else Path.cwd()
+    for adapter in [a for m in config.models for a in m.adapters] + [
+        a for agent in config.node_agents for e in agent.engines for a in e.adapters
+    ]:
+        adapter.path = adapter_path_from(base, adapter.path)
     return config
+
+
+def adapter_path_from(base: Path, path: str) -> str:
+    """`path` with a leading `./` or `../` taken from `base`, normalised; any other path as it is (an absolute
+    directory, or a Hugging Face hub id `org/name`)."""
+    if path.startswith(("./", "../")):
+        return os.path.normpath(base / path)
+    return path
 
 
 def load_mesh_config(path: str | Path) -> MeshConfig:
