@@ -276,6 +276,21 @@ class MeshConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _adapter_loads_fit_the_decision(self) -> MeshConfig:
+        """On ext_authz, a request waits for its adapter's load inside Envoy's decision timer (ext_proc extends
+        it): a load must fit in it."""
+        adapters = any(m.adapters for m in self.models)
+        timeout_s = self.envoy.ext_proc_timeout_ms / 1000
+        load_s = self.coordinator.adapters.load_timeout_s
+        if adapters and self.decision_path == "ext_authz" and load_s >= timeout_s:
+            raise ValueError(
+                f"coordinator.adapters.load_timeout_s: {load_s:g} s must be below envoy.ext_proc_timeout_ms "
+                f"({timeout_s:g} s) on the ext_authz decision path (a request waits for its adapter's load within "
+                "it); lower it, raise the timeout, or set envoy.decision to ext_proc"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _priority_needs_ext_proc(self) -> MeshConfig:
         if self.coordinator.engine_priority and self.envoy.decision == "ext_authz":
             raise ValueError(

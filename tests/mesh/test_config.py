@@ -259,3 +259,18 @@ def test_adapter_named_like_another_model_is_refused():
     data["models"].append({"name": "other"})
     with pytest.raises(ConfigError, match=r"models\[0\].adapters: 'other' is also a model's name"):
         parse_mesh_config(data)
+
+
+def test_an_adapter_load_must_fit_in_the_ext_authz_decision_timer():
+    model = {"name": "m", "adapters": [{"name": "a", "path": "/a"}]}
+    slow = {**_lora_mesh(model), "coordinator": {"adapters": {"load_timeout_s": 6}}}
+    with pytest.raises(ConfigError) as info:
+        parse_mesh_config(slow)
+    assert "coordinator.adapters.load_timeout_s: 6 s must be below envoy.ext_proc_timeout_ms (5 s)" in str(
+        info.value
+    )
+    assert (
+        parse_mesh_config({**slow, "envoy": {"decision": "ext_proc"}}).coordinator.adapters.load_timeout_s
+        == 6
+    )
+    assert parse_mesh_config(_lora_mesh(model)).coordinator.adapters.load_timeout_s == 3
