@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 import grpc
 
 from coordinator import metrics
-from coordinator.adapter_placement import AdapterHolds, LoadFailure, needs_load
+from coordinator.adapter_placement import AdapterHolds, LoadFailure, needs_load, unload_victim
 from coordinator.config import AdapterPlacementSettings
 from coordinator.errors import OpenAIError
 from coordinator.instances import InstanceState
@@ -62,6 +62,9 @@ class AdapterLoader:
         self._channel: grpc.aio.Channel | None = None
         self._slots: asyncio.Semaphore | None = None
         self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
+        #: One load or unload at a time per instance: an adapter unloaded there is loaded again only after.
+        self._instance_locks: dict[str, asyncio.Lock] = {}
+        self._unloads: set[asyncio.Task[None]] = set()
 
     @property
     def loads_in_flight(self) -> int:
@@ -71,7 +74,7 @@ class AdapterLoader:
         """Returns once `state`'s engine serves `adapter` (at once when it does already); OpenAIError when the load
         fails or is late."""
         iid = state.info.instance_id
-        if not needs_load(state, adapter, self.holds.recent(iid, self._clock())):
+        if not needs_load(state, adapter, self.holds.resident(state, self._clock())):
             return
         key = (iid, adapter)
         load = self._inflight.get(key)
@@ -84,15 +87,13 @@ class AdapterLoader:
         info = state.info
         timeout = self.settings.load_timeout_s
         where = f"instance `{info.instance_id}`"
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.settings.max_loads_in_flight)
         request = node_agent_pb2.LoadAdapterRequest(
             instance_id=info.instance_id, adapter_name=adapter, adapter_path=self.paths.get(adapter, "")
         )
         started = self._clock()
         try:
             async with asyncio.timeout(timeout):
-                async with self._slots:
+                async with self._instance_lock(info.instance_id), self._slots_now():
                     stub = node_agent_pb2_grpc.NodeAgentStub(self._channel_now())
                     left = max(0.001, timeout - (self._clock() - started))
                     await stub.LoadAdapter(request, timeout=left, metadata=((NODE_HEADER, info.node_id),))
@@ -103,7 +104,7 @@ class AdapterLoader:
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.ALREADY_EXISTS:  # loaded meanwhile (by the agent or another replica)
-                self._loaded(info.instance_id, adapter)
+                self._loaded(state, adapter)
                 return
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 message = f"the load on {where} took longer than {timeout:g} s"
@@ -111,15 +112,62 @@ class AdapterLoader:
                 message = f"the load on {where} failed: {exc.details() or code.name}"
             self._failed(info.instance_id, adapter, message, code not in _REFUSALS)
         else:
-            self._loaded(info.instance_id, adapter)
+            self._loaded(state, adapter)
             log.info(
                 "adapter loaded",
                 extra={"instance": info.instance_id, "adapter": adapter, "seconds": self._clock() - started},
             )
 
-    def _loaded(self, instance_id: str, adapter: str) -> None:
+    def _loaded(self, state: InstanceState, adapter: str) -> None:
+        """Records the load, and unloads the engine's least recently used idle adapter when it now holds more than
+        its slots (`adapter_placement.unload_victim`), in the background: the request goes on at once."""
         metrics.ADAPTER_LOADS.labels("ok").inc()
-        self.holds.loaded(instance_id, adapter, self._clock())
+        holds, iid, now = self.holds, state.info.instance_id, self._clock()
+        resident = holds.resident(state, now)
+        holds.loaded(iid, adapter, now)
+        victim = unload_victim(state, adapter, resident, holds.inflight(iid), holds.last_used(iid))
+        if victim is not None:
+            holds.unloaded(iid, victim, now)  # at once: no request follows it there from now on
+            task = asyncio.create_task(self._unload(state, victim))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, state: InstanceState, adapter: str) -> None:
+        info = state.info
+        request = node_agent_pb2.UnloadAdapterRequest(instance_id=info.instance_id, adapter_name=adapter)
+        try:
+            async with asyncio.timeout(self.settings.load_timeout_s):
+                async with self._instance_lock(info.instance_id), self._slots_now():
+                    stub = node_agent_pb2_grpc.NodeAgentStub(self._channel_now())
+                    await stub.UnloadAdapter(
+                        request, timeout=self.settings.load_timeout_s, metadata=((NODE_HEADER, info.node_id),)
+                    )
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+            if code != grpc.StatusCode.NOT_FOUND:  # not gone: it stays resident as the heartbeat says
+                metrics.ADAPTER_UNLOADS.labels("failed").inc()
+                self.holds.unload_failed(info.instance_id, adapter)
+                log.warning(
+                    "adapter unload failed",
+                    extra={"instance": info.instance_id, "adapter": adapter, "error": code.name},
+                )
+                return
+        metrics.ADAPTER_UNLOADS.labels("ok").inc()
+        log.info(
+            "adapter unloaded (least recently used, idle)",
+            extra={"instance": info.instance_id, "adapter": adapter},
+        )
+
+    def _instance_lock(self, instance_id: str) -> asyncio.Lock:
+        lock = self._instance_locks.get(instance_id)
+        if lock is None:
+            lock = self._instance_locks[instance_id] = asyncio.Lock()
+        return lock
+
+    def _slots_now(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.settings.max_loads_in_flight)
+        return self._slots
 
     def _failed(self, instance_id: str, adapter: str, message: str, retryable: bool) -> None:
         metrics.ADAPTER_LOADS.labels("unavailable" if retryable else "failed").inc()
@@ -139,8 +187,8 @@ class AdapterLoader:
         return self._channel
 
     async def close(self) -> None:
-        for load in list(self._inflight.values()):
-            load.cancel()
+        for task in [*self._inflight.values(), *self._unloads]:
+            task.cancel()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

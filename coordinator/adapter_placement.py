@@ -17,17 +17,18 @@ and the chosen instance loads `a` first when it does not hold it (`needs_load`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.instances import InstanceState
 
 
-def has_free_slot(state: InstanceState, recent: frozenset[str] = frozenset()) -> bool:
+def has_free_slot(state: InstanceState, resident: frozenset[str] | None = None) -> bool:
     """The instance can take one more adapter without evicting one: fewer adapters than its `max_loras`, or no
-    slot count reported."""
+    slot count reported. `resident`: the adapters it holds (its heartbeat's when None)."""
     load = state.load
-    held = load.adapters | recent
+    held = load.adapters if resident is None else resident
     return not load.max_loras or len(held) < load.max_loras
 
 
@@ -35,27 +36,48 @@ def adapter_candidates(
     states: Sequence[InstanceState],
     adapter: str,
     held_back: frozenset[str] = frozenset(),
-    recent: dict[str, frozenset[str]] | None = None,
+    resident: Mapping[str, frozenset[str]] | None = None,
 ) -> list[InstanceState]:
     """The instances of `states` a request for `adapter` may go to (see the module doc). `held_back`: instance ids
-    not to be chosen for it now; `recent`: per instance id, adapters loaded there lately that its heartbeat does
-    not list yet."""
-    recent = recent or {}
+    not to be chosen for it now; `resident`: per instance id, the adapters it holds as this coordinator knows it
+    (`AdapterHolds.resident`; the heartbeat's list for an instance left out)."""
+    resident = resident or {}
     open_ = [s for s in states if s.info.instance_id not in held_back]
-    fitting = [
-        s
-        for s in open_
-        if adapter in s.load.adapters
-        or adapter in recent.get(s.info.instance_id, frozenset())
-        or has_free_slot(s, recent.get(s.info.instance_id, frozenset()))
-    ]
+    fitting = []
+    for s in open_:
+        held = resident.get(s.info.instance_id, s.load.adapters)
+        if adapter in held or has_free_slot(s, held):
+            fitting.append(s)
     return fitting or open_
 
 
-def needs_load(state: InstanceState, adapter: str, recent: frozenset[str] = frozenset()) -> bool:
-    """The instance must load `adapter` before it is sent the request: its heartbeat does not list it and this
-    coordinator did not load it there lately (`recent`)."""
-    return bool(adapter) and adapter not in state.load.adapters and adapter not in recent
+def needs_load(state: InstanceState, adapter: str, resident: frozenset[str] | None = None) -> bool:
+    """The instance must load `adapter` before it is sent the request: it does not hold it (`resident`: as this
+    coordinator knows it, `AdapterHolds.resident`; the heartbeat's list when None)."""
+    held = state.load.adapters if resident is None else resident
+    return bool(adapter) and adapter not in held
+
+
+def unload_victim(
+    state: InstanceState,
+    loaded: str,
+    resident: frozenset[str],
+    inflight: Mapping[str, int],
+    last_used: Mapping[str, float],
+) -> str | None:
+    """After `loaded` was loaded on `state`: the adapter to unload so that the engine holds no more than its
+    `max_loras`: the least recently used (`last_used`, this coordinator's routing) of those with no request in
+    flight (`inflight` through this coordinator, and none running or waiting on the engine: `active_adapters`),
+    never `loaded`. None when it fits, the engine reports no slot count, or every other adapter is busy (it stays:
+    the next load tries again)."""
+    load = state.load
+    held = resident | {loaded}
+    if not load.max_loras or len(held) <= load.max_loras:
+        return None
+    idle = [a for a in held if a != loaded and not inflight.get(a) and a not in load.active_adapters]
+    if not idle:
+        return None
+    return min(sorted(idle), key=lambda a: last_used.get(a, -math.inf))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +92,19 @@ class LoadFailure:
 
 
 class AdapterHolds:
-    """What this coordinator knows of its own loads: the ones that succeeded (resident until the heartbeat says so,
-    for `loaded_memory_s`) and the ones that failed (the instance held back for the adapter for `failed_hold_s`).
-    Times are the caller's clock (monotonic seconds)."""
+    """What this coordinator knows of adapters beyond the heartbeats: its own loads (resident until the heartbeat
+    says so, for `loaded_memory_s`), its own unloads (gone, likewise), the loads that failed (the instance held back
+    for the adapter for `failed_hold_s`), and the adapter requests it routed (in flight, and when last, per instance
+    and adapter: what `unload_victim` drains and orders by). Times are the caller's clock (monotonic seconds)."""
 
     def __init__(self, failed_hold_s: float, loaded_memory_s: float) -> None:
         self.failed_hold_s = failed_hold_s
         self.loaded_memory_s = loaded_memory_s
         self._failed: dict[tuple[str, str], LoadFailure] = {}
         self._loaded: dict[tuple[str, str], float] = {}
+        self._unloaded: dict[tuple[str, str], float] = {}
+        self._inflight: dict[tuple[str, str], int] = {}
+        self._last_used: dict[tuple[str, str], float] = {}
 
     def failed(self, instance_id: str, adapter: str, failure: LoadFailure) -> None:
         self._failed[(instance_id, adapter)] = failure
@@ -86,7 +112,39 @@ class AdapterHolds:
 
     def loaded(self, instance_id: str, adapter: str, now: float) -> None:
         self._loaded[(instance_id, adapter)] = now
+        self._unloaded.pop((instance_id, adapter), None)
         self._failed.pop((instance_id, adapter), None)
+
+    def unloaded(self, instance_id: str, adapter: str, now: float) -> None:
+        """`adapter` leaves `instance_id` (marked as soon as the unload is decided: no request follows it there)."""
+        self._unloaded[(instance_id, adapter)] = now
+        self._loaded.pop((instance_id, adapter), None)
+
+    def unload_failed(self, instance_id: str, adapter: str) -> None:
+        """The unload did not happen: `adapter` is resident on `instance_id` again (as its heartbeat says)."""
+        self._unloaded.pop((instance_id, adapter), None)
+
+    def routed(self, instance_id: str, adapter: str, now: float) -> None:
+        """A request for `adapter` was routed to `instance_id` (until `ended`)."""
+        key = (instance_id, adapter)
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+        self._last_used[key] = now
+
+    def ended(self, instance_id: str, adapter: str) -> None:
+        key = (instance_id, adapter)
+        left = self._inflight.get(key, 0) - 1
+        if left > 0:
+            self._inflight[key] = left
+        else:
+            self._inflight.pop(key, None)
+
+    def inflight(self, instance_id: str) -> dict[str, int]:
+        """Per adapter, requests in flight on `instance_id` through this coordinator."""
+        return {a: n for (iid, a), n in self._inflight.items() if iid == instance_id}
+
+    def last_used(self, instance_id: str) -> dict[str, float]:
+        """Per adapter, when this coordinator last routed a request for it to `instance_id`."""
+        return {a: at for (iid, a), at in self._last_used.items() if iid == instance_id}
 
     def held_back(self, adapter: str, now: float) -> frozenset[str]:
         """Instance ids a load of `adapter` failed on within `failed_hold_s`."""
@@ -99,25 +157,25 @@ class AdapterHolds:
         failures = [f for (_, a), f in self._failed.items() if a == adapter]
         return max(failures, key=lambda f: f.at) if failures else None
 
-    def recent(self, instance_id: str, now: float) -> frozenset[str]:
-        """Adapters this coordinator loaded on `instance_id` within `loaded_memory_s`."""
-        memory = self.loaded_memory_s
-        return frozenset(
-            a for (iid, a), at in self._loaded.items() if iid == instance_id and now - at <= memory
-        )
+    def resident(self, state: InstanceState, now: float) -> frozenset[str]:
+        """The adapters `state` holds as this coordinator knows it: its heartbeat's, with the loads it made and
+        without the unloads it made within `loaded_memory_s` (the heartbeat has not caught up yet)."""
+        iid, memory = state.info.instance_id, self.loaded_memory_s
+        added = {a for (i, a), at in self._loaded.items() if i == iid and now - at <= memory}
+        gone = {a for (i, a), at in self._unloaded.items() if i == iid and now - at <= memory}
+        return frozenset((state.load.adapters - gone) | added)
 
-    def recent_all(self, now: float) -> dict[str, frozenset[str]]:
-        """`recent` for every instance with one."""
-        out: dict[str, set[str]] = {}
-        for (iid, a), at in self._loaded.items():
-            if now - at <= self.loaded_memory_s:
-                out.setdefault(iid, set()).add(a)
-        return {iid: frozenset(names) for iid, names in out.items()}
+    def resident_all(self, states: Sequence[InstanceState], now: float) -> dict[str, frozenset[str]]:
+        """`resident` of each of `states`, by instance id."""
+        return {s.info.instance_id: self.resident(s, now) for s in states}
 
     def _forget(self, now: float) -> None:
-        hold = self.failed_hold_s
+        hold, memory = self.failed_hold_s, self.loaded_memory_s
         if any(now - f.at > hold for f in self._failed.values()):
             self._failed = {k: f for k, f in self._failed.items() if now - f.at <= hold}
-        if len(self._loaded) > 4096:
-            memory = self.loaded_memory_s
+        if len(self._loaded) + len(self._unloaded) > 4096:
             self._loaded = {k: at for k, at in self._loaded.items() if now - at <= memory}
+            self._unloaded = {k: at for k, at in self._unloaded.items() if now - at <= memory}
+        if len(self._last_used) > 4096:  # the oldest half: instances and adapters long gone
+            keep = sorted(self._last_used.items(), key=lambda kv: kv[1])[len(self._last_used) // 2 :]
+            self._last_used = dict(keep)

@@ -320,6 +320,8 @@ class Decider:
         ticket = self.tickets.issue([pick.target.commitment], request_id)
         if admission is not None:
             ticket.on_release = self._settle_on_release(admission, request.stream, request.max_tokens)
+        if request.adapter and self.loader is not None:  # in flight until it ends: not unloaded under it
+            self._count_adapter(ticket, pick.target.instance.info.instance_id, request.adapter)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
         engine_request_id = request_id
         body = None
@@ -392,6 +394,23 @@ class Decider:
         if admission is not None:
             routed.response_headers = admission.headers
         return routed
+
+    def _count_adapter(self, ticket: Ticket, instance_id: str, adapter: str) -> None:
+        """Counts the request in flight for its adapter on its instance (what an unload drains) until its ticket
+        is released, however it ends."""
+        assert self.loader is not None
+        holds = self.loader.holds
+        holds.routed(instance_id, adapter, time.monotonic())
+        before = ticket.on_release
+
+        def release(t: Ticket) -> None:
+            try:
+                if before is not None:
+                    before(t)
+            finally:
+                holds.ended(instance_id, adapter)
+
+        ticket.on_release = release
 
     def _settle_on_release(self, admission: Admission, stream: bool, max_tokens: int):
         """The ticket's release hook: the request ended, however; its quota is settled (see `Quotas.settle`)."""

@@ -222,7 +222,9 @@ class EndpointPicker:
             if holds is None:
                 return adapter_candidates(states, adapter)
             now = time.monotonic()
-            states = adapter_candidates(states, adapter, holds.held_back(adapter, now), holds.recent_all(now))
+            states = adapter_candidates(
+                states, adapter, holds.held_back(adapter, now), holds.resident_all(states, now)
+            )
             failure = holds.last_failure(adapter, now)
             if not states and failure is not None:  # every instance failed to load it lately
                 raise OpenAIError(

@@ -17,7 +17,7 @@ from coordinator.instances import InstanceInfo
 from mesh.envoy import NODE_HEADER as ENVOY_NODE_HEADER
 from tandem.engine_load import EngineLoad
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc
-from tests.coordinator.test_ext_proc import body_message, decider_for, process
+from tests.coordinator.test_ext_proc import body_message, decider_for, decision_metadata, process
 from tests.helpers import make_picker
 
 
@@ -28,7 +28,20 @@ class FakeAgent(node_agent_pb2_grpc.NodeAgentServicer):
         self.delay_s = delay_s
         self.code = code
         self.calls: list[tuple[str, str, str, str]] = []  # (node header, instance, adapter, path)
+        self.unloads: list[tuple[str, str]] = []  # (instance, adapter)
+        self.order: list[str] = []  # "load a", "unload b", ... as they finish
         self.now = self.most = 0
+
+    async def UnloadAdapter(self, request, context):
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.now -= 1
+        self.unloads.append((request.instance_id, request.adapter_name))
+        self.order.append(f"unload {request.adapter_name}")
+        return node_agent_pb2.UnloadAdapterResponse()
 
     async def LoadAdapter(self, request, context):
         node = dict(context.invocation_metadata()).get(NODE_HEADER, "")
@@ -41,6 +54,7 @@ class FakeAgent(node_agent_pb2_grpc.NodeAgentServicer):
             self.now -= 1
         if self.code != grpc.StatusCode.OK:
             await context.abort(self.code, f"no adapter found at {request.adapter_path}")
+        self.order.append(f"load {request.adapter_name}")
         return node_agent_pb2.LoadAdapterResponse(loaded_adapters=[request.adapter_name])
 
 
@@ -69,14 +83,14 @@ def loader_for(address: str, **settings) -> AdapterLoader:
     )
 
 
-def picker_with(*adapters: str):
+def picker_with(*adapters: str, max_loras: int = 4):
     picker = make_picker(instances=2)
     picker.adapters = {"a": "m", "b": "m", "c": "m"}
     for state in picker.instances.all():
         state.info = InstanceInfo(
             state.info.instance_id, "m", state.info.address, "hybrid", "aggregated", node_id="node-1"
         )
-        state.load = EngineLoad(adapters=frozenset(adapters), max_loras=4)
+        state.load = EngineLoad(adapters=frozenset(adapters), max_loras=max_loras)
     return picker
 
 
@@ -166,3 +180,59 @@ async def test_the_decision_loads_before_routing_and_a_failed_load_releases_the_
         "could not be loaded on any instance" in json.loads(third.immediate_response.body)["error"]["message"]
     )
     assert len(broken.calls) == 2  # not retried while held back
+
+
+async def test_past_its_slots_an_engine_unloads_its_least_recently_used_idle_adapter_after_the_load(
+    agent_server,
+):
+    fake = FakeAgent(delay_s=0.05)
+    loader = loader_for(await agent_server(fake))
+    holds = loader.holds
+    state = picker_with("a", "b", max_loras=2).instances.get("i0")
+    holds.routed("i0", "a", 10.0)  # `a` has a request in flight; `b` is idle
+    await asyncio.wait_for(loader.ensure(state, "c"), 5)
+    assert holds.resident(state, loader._clock()) == {"a", "c"}  # `b` is gone at once: no request follows it
+    await wait_for_unloads(loader)
+    assert fake.unloads == [("i0", "b")] and fake.order == ["load c", "unload b"]
+    # `b` again: loaded after the unload (one call at a time per instance), and now `c` is the idle one to go.
+    holds.ended("i0", "a")
+    holds.routed("i0", "a", 20.0)
+    await asyncio.wait_for(loader.ensure(state, "b"), 5)
+    await wait_for_unloads(loader)
+    assert fake.order == ["load c", "unload b", "load b", "unload c"]
+    assert holds.resident(state, loader._clock()) == {"a", "b"}
+    await loader.close()
+
+
+async def test_nothing_is_unloaded_while_every_other_adapter_has_requests_in_flight(agent_server):
+    fake = FakeAgent()
+    loader = loader_for(await agent_server(fake))
+    state = picker_with("a", max_loras=1).instances.get("i1")
+    loader.holds.routed("i1", "a", 1.0)
+    await asyncio.wait_for(loader.ensure(state, "b"), 5)
+    await wait_for_unloads(loader)
+    assert fake.unloads == [] and loader.holds.resident(state, loader._clock()) == {"a", "b"}
+    await loader.close()
+
+
+async def wait_for_unloads(loader: AdapterLoader) -> None:
+    """The loader's background unloads, done (bounded)."""
+    await asyncio.wait_for(asyncio.gather(*loader._unloads), 5)
+
+
+async def test_the_decision_counts_an_adapter_request_in_flight_until_it_ends(agent_server):
+    picker = picker_with("a")
+    decider = decider_for(picker)
+    decider.loader = loader_for(await agent_server(FakeAgent()))
+    picker.placement = decider.loader.holds
+    (reply,) = await asyncio.wait_for(
+        process(decider, body_message({"model": "a", "prompt": "hello", "max_tokens": 4})), 5
+    )
+    iid = next(
+        s.info.instance_id
+        for s in picker.instances.all()
+        if s.info.address == decision_metadata(reply)["destination"]
+    )
+    assert decider.loader.holds.inflight(iid) == {"a": 1}
+    assert decider.tickets.end(decision_metadata(reply)["ticket"])
+    assert decider.loader.holds.inflight(iid) == {}

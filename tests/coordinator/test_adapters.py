@@ -150,3 +150,44 @@ def test_v1_models_answer_lists_adapters():
     assert answer is not None and answer.status == 200
     ids = [(d["id"], d["parent"]) for d in json.loads(answer.body)["data"]]
     assert ids == [("m", None), ("a", "m"), ("b", "m")]
+
+
+# -- unloading: the least recently used idle adapter, past the engine's slots -------------------------------------
+
+
+def test_unload_victim_is_the_least_recently_used_idle_adapter_past_the_slots():
+    from coordinator.adapter_placement import unload_victim
+
+    picker = lora_picker(i0=lora("a", "b", max_loras=2))
+    state = picker.instances.get("i0")
+    held = frozenset({"a", "b"})
+    # Loading `c` makes three for two slots: `b` was used longer ago than `a`.
+    assert unload_victim(state, "c", held, {}, {"a": 5.0, "b": 1.0}) == "b"
+    assert (
+        unload_victim(state, "c", held, {"b": 1}, {"a": 5.0, "b": 1.0}) == "a"
+    )  # `b` has a request in flight
+    assert unload_victim(state, "c", held, {"a": 1, "b": 2}, {}) is None  # both busy: nothing is unloaded
+    assert (
+        unload_victim(state, "c", held, {}, {"a": 5.0}) == "b"
+    )  # never routed through this coordinator: oldest
+    assert unload_victim(state, "a", held, {}, {}) is None  # within the slots
+    state.load = EngineLoad(adapters=held, active_adapters=frozenset({"b"}), max_loras=2)
+    assert unload_victim(state, "c", held, {}, {"a": 5.0, "b": 1.0}) == "a"  # the engine runs `b`
+    state.load = EngineLoad(adapters=held)  # no slot count reported: never
+    assert unload_victim(state, "c", held, {}, {}) is None
+
+
+def test_holds_know_their_own_loads_and_unloads_until_the_heartbeat_does():
+    picker = lora_picker(i0=lora("a", "b", max_loras=2))
+    state = picker.instances.get("i0")
+    holds = AdapterHolds(failed_hold_s=30, loaded_memory_s=5)
+    holds.loaded("i0", "c", 100.0)
+    holds.unloaded("i0", "b", 100.0)
+    assert holds.resident(state, 101.0) == {"a", "c"}
+    assert holds.resident(state, 106.0) == {"a", "b"}  # past the memory: the heartbeat's word
+    holds.routed("i0", "a", 100.0)
+    holds.routed("i0", "a", 102.0)
+    assert holds.inflight("i0") == {"a": 2} and holds.last_used("i0") == {"a": 102.0}
+    holds.ended("i0", "a")
+    holds.ended("i0", "a")
+    assert holds.inflight("i0") == {}

@@ -35,9 +35,13 @@ def mesh(tmp_path_factory):
     config["coordinator"]["scheduler"] = copy.deepcopy(EXAMPLE["coordinator"]["scheduler"])
     config["coordinator"]["adapters"] = dict(EXAMPLE["coordinator"]["adapters"])
     model = copy.deepcopy(EXAMPLE["models"][0])
-    # One more adapter, not in the example: configured, not preloaded, with nothing at its path.
+    # More adapters, not in the example, none preloaded: two to fill the engines' slots, and one with nothing at its
+    # path.
+    spare = adapter_path_from(EXAMPLE_FILE.parent, "./adapters/summarize")
     model["adapters"] = absolute(model["adapters"]) + [
-        {"name": "broken", "path": "/nonexistent/tandem-adapter", "preload": False}
+        {"name": "extra-1", "path": spare, "preload": False},
+        {"name": "extra-2", "path": spare, "preload": False},
+        {"name": "broken", "path": "/nonexistent/tandem-adapter", "preload": False},
     ]
     config["models"] = [model]
     for engine, example in zip(
@@ -106,9 +110,10 @@ def test_adapters_and_the_base_model_are_served_with_their_names_where_they_are_
 
 def test_v1_models_lists_every_configured_adapter_under_its_base_model(mesh, client):
     models = {m.id: m for m in client.models.list()}
-    assert set(models) == {MODEL, "sql", "chat", "summarize", "broken"}
+    adapters = {"sql", "chat", "summarize", "extra-1", "extra-2", "broken"}
+    assert set(models) == {MODEL} | adapters
     assert models[MODEL].model_extra["parent"] is None
-    assert all(models[a].model_extra["parent"] == MODEL for a in ("sql", "chat", "summarize", "broken"))
+    assert all(models[a].model_extra["parent"] == MODEL for a in adapters)
 
 
 def test_an_adapter_not_loaded_anywhere_is_loaded_on_one_engine_and_served_there(mesh, client):
@@ -123,6 +128,52 @@ def test_an_adapter_not_loaded_anywhere_is_loaded_on_one_engine_and_served_there
     for _ in range(3):
         assert served_on(mesh, client, "summarize") == first
     assert mesh.coordinator_metric("tandem_coordinator_adapter_loads_total", outcome="ok") == loads + 1
+
+
+def test_past_its_slots_an_engine_unloads_its_least_recently_used_idle_adapter_and_all_stay_servable(
+    mesh, client
+):
+    slots = EXAMPLE["models"][0]["max_loras"]
+    assert (
+        slots == 2 and mesh.coordinator_metric("tandem_coordinator_adapter_unloads_total", outcome="ok") == 0
+    )
+    served_on(mesh, client, "extra-1")  # the engine with a free slot takes it: now both are full
+    wait_until(
+        lambda: all(len(names) == slots for names in loaded(mesh).values()),
+        10,
+        "both engines full",
+        interval=0.2,
+    )
+    assert mesh.coordinator_metric("tandem_coordinator_adapter_unloads_total", outcome="ok") == 0
+    full = served_on(
+        mesh, client, "extra-2"
+    )  # loaded on a full engine: its least recently used idle adapter goes
+    wait_until(
+        lambda: mesh.coordinator_metric("tandem_coordinator_adapter_unloads_total", outcome="ok") == 1,
+        10,
+        "one unload",
+        interval=0.2,
+    )
+    wait_until(
+        lambda: "extra-2" in loaded(mesh)[full] and len(loaded(mesh)[full]) == slots,
+        10,
+        "the unload listed",
+        interval=0.2,
+    )
+    for adapter in (
+        "sql",
+        "chat",
+        "summarize",
+        "extra-1",
+        "extra-2",
+    ):  # each served, loaded again where needed
+        served_on(mesh, client, adapter)
+    wait_until(
+        lambda: all(len(names) <= slots for names in loaded(mesh).values()),
+        10,
+        "within the slots",
+        interval=0.2,
+    )
 
 
 def test_an_unknown_adapter_is_vllms_404(mesh, client):
@@ -156,5 +207,6 @@ def test_a_broken_adapter_gets_a_clear_error_and_the_engines_keep_serving_the_ot
         third.status_code == 500 and "could not be loaded on any instance" in third.json()["error"]["message"]
     )
     assert mesh.coordinator_metric("tandem_coordinator_adapter_loads_total", outcome="failed") == 2
-    assert served_on(mesh, client, "sql") == "sim-0" and served_on(mesh, client, "chat") == "sim-1"
+    assert served_on(mesh, client, "sql") in {"sim-0", "sim-1"} and served_on(mesh, client, "chat")
     assert all("broken" not in names for names in loaded(mesh).values())
+    assert mesh.coordinator_metric("tandem_coordinator_adapter_unloads_total", outcome="failed") == 0
