@@ -1,7 +1,8 @@
 """LoRA adapter placement, the pure part: which instances a request for an adapter may go to, whether the chosen one
-must load the adapter first, and which instances are held back after a failed load. The shell that calls the
-node agents (`NodeAgent.LoadAdapter`) is `coordinator.adapter_loader`; the picker (`coordinator.picker`) filters
-its candidates here before any policy scores them.
+must load the adapter first, which adapter an engine past its slots unloads, and which instances are held back
+after a failed load. The shell that calls the node agents (`NodeAgent.LoadAdapter`, `UnloadAdapter`) is
+`coordinator.adapter_loader`; the picker (`coordinator.picker`) filters its candidates here before any policy
+scores them.
 
 A request naming adapter `a` of base model `m` (`OpenAIRequest.adapter`) may go to an instance of `m` that:
 - is not held back for `a` (a load of `a` failed there within `failed_hold_s`), and
@@ -12,7 +13,8 @@ When no instance passes the second test, every instance not held back is a candi
 beside the others (vLLM keeps every loaded adapter servable; its `--max-cpu-loras` cache evicts the least recently
 used weights, which cost a reload at their next step). The policy then picks among the candidates
 (`lora_affinity` weighs residency, free slots and the cold-load cost; any other policy picks on its own terms),
-and the chosen instance loads `a` first when it does not hold it (`needs_load`).
+and the chosen instance loads `a` first when it does not hold it (`needs_load`). An engine that then holds more
+adapters than its `max_loras` unloads one (`unload_victim`): the least recently used with no request in flight.
 """
 
 from __future__ import annotations

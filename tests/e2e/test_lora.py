@@ -1,7 +1,8 @@
 """LoRA adapters through `tandem up` with examples/lora.yaml's models, adapters, engines and policy (on free ports):
 the OpenAI SDK calls two adapters and the base model and gets answers echoing them; each adapter's requests land
 on the engine holding it; `/v1/models` lists the adapters under their base model; an adapter no engine loaded at
-start (`preload: false`) is loaded by the coordinator onto one engine and served there; an unknown name is vLLM's
+start (`preload: false`) is loaded by the coordinator onto one engine and served there; past an engine's slots its
+least recently used idle adapter is unloaded and every adapter stays servable; an unknown name is vLLM's
 404; an adapter whose path holds nothing gets a clear error while the engines keep serving the others. Every test
 sends a handful of requests, each bounded by the SDK's timeout and no retries."""
 
