@@ -17,6 +17,8 @@ from pydantic import ValidationError
 
 from coordinator import mesh_health, metrics
 from coordinator.access_log import AccessLogService
+from coordinator.adapter_loader import AdapterLoader
+from coordinator.adapter_placement import AdapterHolds
 from coordinator.api_keys import ApiKeys
 from coordinator.attempts import AttemptRegistry
 from coordinator.capacity import DemandMeter, Limits, Sizing, fleet_sizing
@@ -116,6 +118,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         decode_policy=config.scheduler.build_decode(),
     )
     picker.max_model_len = {m.name: m.max_model_len for m in mesh.models if m.max_model_len}
+    picker.adapters = {a.name: m.name for m in mesh.models for a in m.adapters}
     for model in mesh.models:  # load tokenizers now: a bad path fails at start, not on the first request
         tokenizers.get(model.name)
     # One decision call (ext_authz Check or ext_proc message) carries a whole buffered body: the gRPC limit
@@ -153,6 +156,13 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         tenants,
         config.engine_priority,
     )
+    if picker.adapters:  # LoRA placement: loads onto the chosen engine through its node's agent
+        settings = config.adapters
+        holds = AdapterHolds(settings.failed_hold_s, settings.loaded_memory_s)
+        picker.placement = holds
+        adapter_paths = {a.name: a.path for m in mesh.models for a in m.adapters}
+        decider.loader = AdapterLoader(mesh.control_address, tls, settings, holds, adapter_paths)
+        app.on_stop(decider.loader.close)
     shared: SharedState = LocalState()
     if config.etcd is not None:
         shared = EtcdState(config.etcd.endpoint, config.etcd.prefix, config.instance_ttl)

@@ -264,6 +264,27 @@ class SizingSettings(BaseModel):
     inter-token latency (your ITL objective); 0: bounded by `max_num_seqs` and KV blocks only."""
 
 
+class AdapterPlacementSettings(BaseModel):
+    """`coordinator.adapters`: how the coordinator loads a LoRA adapter onto the engine it chose for a request that
+    does not hold it yet (`coordinator.adapter_placement`, docs/scheduling.md "LoRA adapters")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    load_timeout_s: float = Field(default=3.0, gt=0)
+    """The deadline of one load (`NodeAgent.LoadAdapter` through Envoy's control listener), waiting for a free load
+    slot included; the request waits for it and is answered 503 past it. Keep it under Envoy's decision timeout
+    (`envoy.ext_proc_timeout_ms`, and ext_authz's) unless the mesh runs ext_proc, whose timer is extended."""
+    max_loads_in_flight: int = Field(default=4, ge=1)
+    """Loads in flight at once from this coordinator, over every engine (one per engine and adapter always: a
+    burst for a cold adapter shares one load)."""
+    failed_hold_s: float = Field(default=30.0, gt=0)
+    """After a load fails on an instance, that instance is not chosen for the adapter for this long (the others
+    still are); the request that asked gets the load's error."""
+    loaded_memory_s: float = Field(default=10.0, gt=0)
+    """A load this coordinator made counts as resident for this long before the engine's heartbeat lists it (no
+    second load for the next request)."""
+
+
 class EtcdSettings(BaseModel):
     """`coordinator.etcd`: where replicas share the instance registry and drain flags."""
 
@@ -425,6 +446,8 @@ class CoordinatorConfig(BaseModel):
     """Nodes' places and KV transfer links (the joint P/D choice, `scheduler.pd_choice`)."""
     sizing: SizingSettings = SizingSettings()
     """The P:D sizing signal: utilisation per role and a suggested split, on `/metrics` and `Admin/GetStats`."""
+    adapters: AdapterPlacementSettings = AdapterPlacementSettings()
+    """LoRA adapter placement: loads onto the chosen engine, their bounds and the hold after a failed one."""
     ticket_lifetime_s: float = Field(default=3600.0, gt=0)
     """Longest a routed request holds its workload when Envoy's access log never reports its end (the log is
     at-most-once); make it longer than the longest response."""
@@ -507,9 +530,18 @@ class CoordinatorConfig(BaseModel):
         return self.prefill_timeout_s * self.prefill_attempts + 5.0
 
 
+class _Adapter(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+
+
 class _Model(Protocol):
     @property
     def name(self) -> str: ...
+    @property
+    def adapters(self) -> Sequence[_Adapter]: ...
     @property
     def tokenizer(self) -> str | None: ...
     @property
@@ -563,6 +595,11 @@ class MeshView(Protocol):
     @property
     def conductor_match_address(self) -> str:
         """Where the Match stream goes: the conductor, or Envoy's gRPC listener in front of its replicas."""
+        ...
+
+    @property
+    def control_address(self) -> str:
+        """Envoy's control listener, through which the coordinator calls a node's agent (`tandem-node` header)."""
         ...
 
     @property

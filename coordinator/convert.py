@@ -114,6 +114,8 @@ def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:
                 )
                 for rank, (prompt, generation) in sorted(load.progress.items())
             ],
+            loaded_adapters=sorted(load.adapters),  # the LoRA adapters it serves, as its heartbeat says
+            max_loras=load.max_loras,
         ),
         drained=state.drained,
         workload_tokens=ledger.tokens(iid),

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from coordinator import metrics
+from coordinator.adapter_loader import AdapterLoader
 from coordinator.api_keys import ApiKeys
 from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
@@ -122,6 +123,22 @@ def error_answer(error: OpenAIError) -> Answer:
     return Answer(error.status, error.body(), f"tandem_{error.status}", list(getattr(error, "headers", ())))
 
 
+def models_listing(models: list[str], adapters: dict[str, str], created: int) -> list[dict]:
+    """`/v1/models` entries as vLLM lists them: each model with `parent` null, then each of its adapters (name ->
+    base model) with `parent` its base model. Adapters of a model with no routable instance are left out, as the
+    model is."""
+    data: list[dict] = []
+    for model in models:
+        data.append(
+            {"id": model, "object": "model", "created": created, "owned_by": "tandem", "parent": None}
+        )
+        for name in sorted(a for a, base in adapters.items() if base == model):
+            data.append(
+                {"id": name, "object": "model", "created": created, "owned_by": "tandem", "parent": model}
+            )
+    return data
+
+
 class Decider:
     """Routes one request at a time; see the module doc."""
 
@@ -153,6 +170,10 @@ class Decider:
         self._pool = pool
         #: SLO-aware admission (`coordinator.flow_control`): None when off.
         self.flow: FlowGate | None = None
+        #: Loads a request's LoRA adapter onto the engine chosen for it when that engine lacks it
+        #: (`coordinator.adapter_loader`); None: adapters are sent on as they are (the engine answers 404 if it
+        #: does not serve one).
+        self.loader: AdapterLoader | None = None
         self.relearn: RelearnWindow | None = (
             None  # after a start: wait for registrations rather than answer 503
         )
@@ -180,11 +201,9 @@ class Decider:
                 return self.reject(OpenAIError(405, f"Use POST for {path}."))
             return None
         if path == "/v1/models" and method == "GET":
-            now = int(time.time())
-            data = [
-                {"id": m, "object": "model", "created": now, "owned_by": "tandem"}
-                for m in self.picker.instances.routable_models()
-            ]
+            data = models_listing(
+                self.picker.instances.routable_models(), self.picker.adapters, int(time.time())
+            )
             return Answer(200, json.dumps({"object": "list", "data": data}).encode(), "tandem_models")
         if path in ("/health", "/ping") and method == "GET":
             return Answer(200, b"", "tandem_health")
@@ -255,7 +274,7 @@ class Decider:
                 if pooled:
                     assert self._pool is not None
                     request = await self._pool.understand(
-                        api, raw_body, picker.instances.known_models, picker.max_model_len
+                        api, raw_body, picker.instances.known_models, picker.max_model_len, picker.adapters
                     )
                 else:
                     request = picker.understand(api, raw_body)
@@ -301,6 +320,8 @@ class Decider:
         ticket = self.tickets.issue([pick.target.commitment], request_id)
         if admission is not None:
             ticket.on_release = self._settle_on_release(admission, request.stream, request.max_tokens)
+        if request.adapter and self.loader is not None:  # in flight until it ends: not unloaded under it
+            self._count_adapter(ticket, pick.target.instance.info.instance_id, request.adapter)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - start)
         engine_request_id = request_id
         body = None
@@ -314,6 +335,19 @@ class Decider:
                         "runs ext_authz. Set envoy.decision to ext_proc (or auto with P/D engines configured).",
                     )
                 )
+            adapter = pick.request.adapter
+            # The chosen engine serves the request's adapter before the request is sent on.
+            if adapter and self.loader is not None:
+                if extend is not None and pick.mode != PdMode.HANDOFF:  # (a handoff extends for its own leg)
+                    await extend()
+                target = pick.target.instance.info.instance_id
+                with tracing.span("tandem.adapter_load", attributes={"tandem.adapter": adapter}):
+                    try:
+                        await self.loader.ensure(pick.target.instance, adapter)
+                    except OpenAIError as exc:
+                        self.tickets.abort(ticket)
+                        log.info("adapter not placed", extra={"instance": target, "adapter": adapter})
+                        return self.reject(exc)
             if pick.mode == PdMode.AGGREGATED and self.engine_priority and extend is not None:
                 body = json.dumps(request.body).encode()  # with the tier's `priority`
             elif pick.mode == PdMode.TRIGGER:
@@ -360,6 +394,23 @@ class Decider:
         if admission is not None:
             routed.response_headers = admission.headers
         return routed
+
+    def _count_adapter(self, ticket: Ticket, instance_id: str, adapter: str) -> None:
+        """Counts the request in flight for its adapter on its instance (what an unload drains) until its ticket
+        is released, however it ends."""
+        assert self.loader is not None
+        holds = self.loader.holds
+        holds.routed(instance_id, adapter, time.monotonic())
+        before = ticket.on_release
+
+        def release(t: Ticket) -> None:
+            try:
+                if before is not None:
+                    before(t)
+            finally:
+                holds.ended(instance_id, adapter)
+
+        ticket.on_release = release
 
     def _settle_on_release(self, admission: Admission, stream: bool, max_tokens: int):
         """The ticket's release hook: the request ended, however; its quota is settled (see `Quotas.settle`)."""

@@ -42,6 +42,18 @@ MATCH_FALLBACKS = Counter(
     "Requests scored on load alone because the conductor could not answer",
     ["reason"],
 )
+ADAPTER_LOADS = Counter(
+    "tandem_coordinator_adapter_loads",
+    "LoRA adapter loads the coordinator asked a node agent for (NodeAgent.LoadAdapter), by outcome (ok, failed, "
+    "unavailable)",
+    ["outcome"],
+)
+ADAPTER_UNLOADS = Counter(
+    "tandem_coordinator_adapter_unloads",
+    "LoRA adapters the coordinator unloaded (NodeAgent.UnloadAdapter) to keep an engine within its max_loras: the "
+    "least recently used with no request in flight, by outcome (ok, failed)",
+    ["outcome"],
+)
 PREFILL_LEGS = Counter("tandem_coordinator_prefill_legs", "Prefill legs sent by the coordinator", ["outcome"])
 CALLBACK_PATH_SECONDS = Histogram(
     "tandem_coordinator_trigger_callback_path_seconds",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator import metrics
+from coordinator.adapter_placement import AdapterHolds, adapter_candidates
 from coordinator.config import CoordinatorConfig, PdMode
 from coordinator.decision_log import Components, DecisionLog, components
 from coordinator.errors import OpenAIError
@@ -35,7 +36,7 @@ from coordinator.scheduling.pd_joint import create as create_pair
 from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from coordinator.workload import Commitment, WorkloadLedger
 from tandem import tracing
-from tandem.chain_hash import chain_hashes
+from tandem.chain_hash import adapter_root, chain_hashes
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Pick:
     @property
     def facts(self) -> RequestFacts:
         r = self.request
-        return RequestFacts(self.request_id, r.model, r.prompt_tokens, r.max_tokens, self.hashes)
+        return RequestFacts(self.request_id, r.model, r.prompt_tokens, r.max_tokens, self.hashes, r.adapter)
 
 
 def candidates(
@@ -122,6 +123,12 @@ def candidate_attributes(cands: Sequence[Candidate], chosen: Candidate | None, i
     if chosen is not None:
         out["tandem.chosen"] = chosen.instance_id
     return out
+
+
+def _named(request: OpenAIRequest) -> str:
+    if request.adapter:
+        return f"the adapter `{request.adapter}` of `{request.model}`"
+    return f"the model `{request.model}`"
 
 
 class EndpointPicker:
@@ -167,11 +174,24 @@ class EndpointPicker:
         self.max_model_len: dict[str, int] = {}
         #: The last scorings with their candidates, for `Admin/ListDecisions` (`coordinator.recent_decisions`).
         self.decisions = DecisionLog(config.recent_decisions)
+        #: LoRA adapters by name -> their base model, from the mesh file's `models[].adapters`: a request naming
+        #: one is served by the base model's instances, the engine given the adapter's name as `model`.
+        self.adapters: dict[str, str] = {}
+        #: Instances not to be chosen for an adapter for now (a load of it there failed: `adapter_placement`);
+        #: None when the coordinator places no adapters.
+        self.placement: AdapterHolds | None = None
 
     def understand(self, api: str, raw_body: bytes) -> OpenAIRequest:
-        """`understanding.understand_body` with this picker's models; 400 for bad input, 404 for an unknown model."""
+        """`understanding.understand_body` with this picker's models and adapters; 400 for bad input, 404 for an
+        unknown model or adapter."""
         return understand_body(
-            api, raw_body, self.instances.known_models, self.tokenizers, self.config, self.max_model_len
+            api,
+            raw_body,
+            self.instances.known_models,
+            self.tokenizers,
+            self.config,
+            self.max_model_len,
+            self.adapters,
         )
 
     def mode_of(self, model: str) -> PdMode:
@@ -193,8 +213,24 @@ class EndpointPicker:
             return PdMode.HANDOFF
         return _MODE_OF_DISPATCH.get(next(iter(kinds)), PdMode.HANDOFF)
 
-    def _routable(self, model: str, role: str) -> list[InstanceState]:
-        return [s for s in self.instances.serving(model) if s.routable and s.info.role == role]
+    def _routable(self, model: str, role: str, adapter: str = "") -> list[InstanceState]:
+        states = [s for s in self.instances.serving(model) if s.routable and s.info.role == role]
+        if adapter and states:
+            holds = self.placement
+            if holds is None:
+                return adapter_candidates(states, adapter)
+            now = time.monotonic()
+            states = adapter_candidates(
+                states, adapter, holds.held_back(adapter, now), holds.resident_all(states, now)
+            )
+            failure = holds.last_failure(adapter, now)
+            if not states and failure is not None:  # every instance failed to load it lately
+                raise OpenAIError(
+                    503 if failure.retryable else 500,
+                    f"The adapter `{adapter}` could not be loaded on any instance of `{model}` lately "
+                    f"({failure.message}); not retried there for {holds.failed_hold_s:g} s.",
+                )
+        return states
 
     def _candidates(
         self, states: Sequence[InstanceState], matches: dict[str, KvMatch] | None
@@ -212,11 +248,15 @@ class EndpointPicker:
         block_size = sizes.pop() if len(sizes) == 1 else 0  # mixed block sizes: let the conductor hash
         # One lookup per request: the first prompt (multi-prompt completions are scored on it).
         prompt = request.prompts[0]
-        hashes = tuple(chain_hashes(prompt, block_size)) if block_size else ()
+        adapter = request.adapter
+        parent = adapter_root(adapter) if adapter else None  # an adapter's KV blocks are its own
+        hashes = tuple(chain_hashes(prompt, block_size, parent=parent)) if block_size else ()
         matches = None
         if self.matcher is not None:
             with tracing.span("tandem.conductor_match", attributes={"tandem.candidates": len(ids)}):
-                matches = await self.matcher.match(request_id, request.model, prompt, ids, block_size, hashes)
+                matches = await self.matcher.match(
+                    request_id, request.model, prompt, ids, block_size, hashes, adapter=adapter
+                )
         if self.predicted is not None and hashes and policy.uses_predictions:
             matches = self.predicted.overlay(hashes, matches, ids, block_size)
         return matches, hashes
@@ -250,7 +290,9 @@ class EndpointPicker:
         """`policy`'s pick among `states` (the ledger's figures, and the conductor's facts when it asks), with the
         chain hashes the facts were asked with; kept in the decision log as `stage`."""
         matches, hashes = await self._matches(policy, request_id, request, states)
-        facts = RequestFacts(request_id, request.model, request.prompt_tokens, request.max_tokens, hashes)
+        facts = RequestFacts(
+            request_id, request.model, request.prompt_tokens, request.max_tokens, hashes, request.adapter
+        )
         cands = self._candidates(states, matches)
         metrics.decided(policy.name)
         if not tracing.ENABLED:
@@ -284,11 +326,12 @@ class EndpointPicker:
         request = request or self.understand(api, raw_body)
         model, isl, out = request.model, request.prompt_tokens, request.max_tokens
         mode = self.mode_of(model)
+        adapter = request.adapter
         if mode == PdMode.AGGREGATED:
-            states = self._routable(model, "hybrid")
+            states = self._routable(model, "hybrid", adapter)
             if not states:
                 raise OpenAIError(
-                    503, f"No healthy instance serves the model `{model}` right now; retry later."
+                    503, f"No healthy instance serves {_named(request)} right now; retry later."
                 )
             policy = self.policy
             chosen, hashes = await self._choose(policy, request_id, request, states, "aggregated")
@@ -307,10 +350,10 @@ class EndpointPicker:
             raise OpenAIError(
                 400, "P/D disaggregated serving takes one prompt per request; send them separately.", "prompt"
             )
-        decodes = self._routable(model, "decode")
+        decodes = self._routable(model, "decode", adapter)
         if not decodes:
             raise OpenAIError(
-                503, f"No healthy decode instance serves the model `{model}` right now; retry later."
+                503, f"No healthy decode instance serves {_named(request)} right now; retry later."
             )
         if self.pair is not None:
             return await self._decide_pair(request, request_id, mode, decodes)
@@ -329,7 +372,7 @@ class EndpointPicker:
         `adaptive` the decode instance alone, served as an aggregated request (no `kv_transfer_params`)."""
         assert self.pair is not None
         isl, out = request.prompt_tokens, request.max_tokens
-        prefills = self._routable(request.model, "prefill")
+        prefills = self._routable(request.model, "prefill", request.adapter)
         matches, hashes = await self._matches(self.pair, request_id, request, [*prefills, *decodes])
         p_cands, d_cands = self._candidates(prefills, matches), self._candidates(decodes, matches)
         with tracing.span("tandem.score", attributes={"tandem.policy": "pd_joint"}) as current:
@@ -390,14 +433,14 @@ class EndpointPicker:
     async def pick_prefill(self, pick: Pick, exclude: set[str]) -> Leg:
         """A prefill instance for the next attempt, not one of `exclude`; 503 when none is left."""
         request = pick.request
-        states = [s for s in self._routable(request.model, "prefill") if s.info.instance_id not in exclude]
+        prefills = self._routable(request.model, "prefill", request.adapter)
+        states = [s for s in prefills if s.info.instance_id not in exclude]
         if not states:
             tried = f" ({len(exclude)} tried)" if exclude else ""
             raise OpenAIError(503, f"No healthy prefill instance serves `{request.model}` right now{tried}.")
         policy: AsksFacts = self.policy
         if pick.matches is None:
-            all_prefill = self._routable(request.model, "prefill")
-            matches, pick.hashes = await self._matches(policy, pick.request_id, request, all_prefill)
+            matches, pick.hashes = await self._matches(policy, pick.request_id, request, prefills)
             pick.matches = matches or {}
         if self.pair is not None:
             policy = self.pair

@@ -44,11 +44,15 @@ def _ready() -> bool:
 
 
 def _understand(
-    api: str, raw_body: bytes, known_models: frozenset[str], max_model_len: dict[str, int]
+    api: str,
+    raw_body: bytes,
+    known_models: frozenset[str],
+    max_model_len: dict[str, int],
+    adapters: dict[str, str] | None = None,
 ) -> OpenAIRequest:
     assert _worker is not None
     tokenizers, config = _worker
-    return understand_body(api, raw_body, known_models, tokenizers, config, max_model_len)
+    return understand_body(api, raw_body, known_models, tokenizers, config, max_model_len, adapters)
 
 
 class UnderstandPool:
@@ -74,14 +78,15 @@ class UnderstandPool:
         raw_body: bytes,
         known_models: Collection[str],
         max_model_len: Mapping[str, int] | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> OpenAIRequest:
         """`understand_body` in a worker, with the same request limits (a large body is where `check_prompt_size`
-        matters most); raises OpenAIError as the inline path does. The models and their context lengths go with
-        each call: a reloaded mesh file may change them."""
+        matters most); raises OpenAIError as the inline path does. The models, their context lengths and their
+        adapters (name -> base model) go with each call: a reloaded mesh file may change them."""
         models = frozenset(known_models)
         lengths = dict(max_model_len or {})
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, _understand, api, raw_body, models, lengths
+            self._pool, _understand, api, raw_body, models, lengths, dict(adapters or {})
         )
 
     def close(self) -> None:

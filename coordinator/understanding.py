@@ -37,6 +37,9 @@ class OpenAIRequest:
     max_tokens: int  # output tokens counted for workload, over all prompts and choices
     n: int = 1  # choices per prompt
     service_tier: str | None = None  # OpenAI's `service_tier` as asked (None: absent or `auto`)
+    #: The LoRA adapter the request names (its `model` field, which the engine gets unchanged: vLLM serves an
+    #: adapter by its name); `model` is then the adapter's base model. "" for the base model itself.
+    adapter: str = ""
 
     @property
     def prompt_tokens(self) -> int:
@@ -107,6 +110,21 @@ def understand(
     return OpenAIRequest(api, model, stream, body, prompts, per_choice * n * len(prompts), n, tier)
 
 
+def resolve_model(named: str, known_models: Collection[str], adapters: Mapping[str, str]) -> tuple[str, str]:
+    """(base model, adapter) of a request's `model` field: a served model itself (adapter ""), or a configured
+    adapter of one. OpenAIError 404 for any other name, in the shape vLLM (and simengine) answer an unknown model
+    or adapter with: type `NotFoundError`, param `model`, code 404."""
+    if named in known_models:
+        return named, ""
+    base = adapters.get(named)
+    if base is not None and base in known_models:
+        return base, named
+    served = ", ".join(sorted(known_models)) or "none"
+    names = sorted(a for a, b in adapters.items() if b in known_models)
+    also = f"; adapters: {', '.join(names)}" if names else ""
+    raise OpenAIError(404, f"The model `{named}` does not exist. Models served: {served}{also}.", "model")
+
+
 class TokenizerCache:
     """One tokenizer per model, loaded on first use."""
 
@@ -130,23 +148,25 @@ def understand_body(
     tokenizers: TokenizerCache,
     config: CoordinatorConfig,
     max_model_len: Mapping[str, int] | None = None,
+    adapters: Mapping[str, str] | None = None,
 ) -> OpenAIRequest:
     """Parses, checks against the request limits, and tokenizes a body (pure: also run in decision worker
     processes, so that a large body gets the same checks there); OpenAIError 400 for bad input or a request over
-    the limits, 404 for a model not in `known_models`. `max_model_len`: the context length of the models that
-    declare one."""
+    the limits, 404 for a model not in `known_models` nor an adapter of one. `max_model_len`: the context length of
+    the models that declare one. `adapters`: the configured LoRA adapters, name -> base model (the mesh file's
+    `models[].adapters`): a request naming one is understood as its base model's (tokenizer, context) with
+    `adapter` set."""
     body = parse_body(raw_body)
     check_body(api, body, config.limits)
-    model = model_of(body)
-    if model not in known_models:
-        served = ", ".join(sorted(known_models)) or "none"
-        raise OpenAIError(404, f"The model `{model}` does not exist. Models served: {served}.", "model")
+    named = model_of(body)
+    model, adapter = resolve_model(named, known_models, adapters or {})
     chat = api == "chat.completions"
     default_max = config.chat_default_max_tokens if chat else config.default_max_tokens
     context = (max_model_len or {}).get(model)
     # Before tokenizing: a prompt far beyond the context would hold the tokenizer for seconds.
     check_prompt_size(api, body, context, config.limits, model)
     request = understand(api, body, tokenizers.get(model), default_max)
+    request.model, request.adapter = model, adapter
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
     check_context(request.prompts, asked, context, model)
     return request

@@ -6,6 +6,7 @@ Every section belongs to the component that reads it (`coordinator.config`, `con
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -275,6 +276,21 @@ class MeshConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _adapter_loads_fit_the_decision(self) -> MeshConfig:
+        """On ext_authz, a request waits for its adapter's load inside Envoy's decision timer (ext_proc extends
+        it): a load must fit in it."""
+        adapters = any(m.adapters for m in self.models)
+        timeout_s = self.envoy.ext_proc_timeout_ms / 1000
+        load_s = self.coordinator.adapters.load_timeout_s
+        if adapters and self.decision_path == "ext_authz" and load_s >= timeout_s:
+            raise ValueError(
+                f"coordinator.adapters.load_timeout_s: {load_s:g} s must be below envoy.ext_proc_timeout_ms "
+                f"({timeout_s:g} s) on the ext_authz decision path (a request waits for its adapter's load within "
+                "it); lower it, raise the timeout, or set envoy.decision to ext_proc"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _priority_needs_ext_proc(self) -> MeshConfig:
         if self.coordinator.engine_priority and self.envoy.decision == "ext_authz":
             raise ValueError(
@@ -384,10 +400,24 @@ class MeshConfig(BaseModel):
 
 
 def parse_mesh_config(data: Any, path: str = "<config>") -> MeshConfig:
-    """Validates a loaded YAML document; raises ConfigError naming the first bad key."""
+    """Validates a loaded YAML document; raises ConfigError naming the first bad key. Adapter paths starting with
+    `./` or `../` are taken from the mesh file's directory (made absolute: engines and agents check for that)."""
     config = validate(MeshConfig, data, path)
     config.path = path
+    base = Path(path).resolve().parent if path != "<config>" else Path.cwd()
+    for adapter in [a for m in config.models for a in m.adapters] + [
+        a for agent in config.node_agents for e in agent.engines for a in e.adapters
+    ]:
+        adapter.path = adapter_path_from(base, adapter.path)
     return config
+
+
+def adapter_path_from(base: Path, path: str) -> str:
+    """`path` with a leading `./` or `../` taken from `base`, normalised; any other path as it is (an absolute
+    directory, or a Hugging Face hub id `org/name`)."""
+    if path.startswith(("./", "../")):
+        return os.path.normpath(base / path)
+    return path
 
 
 def load_mesh_config(path: str | Path) -> MeshConfig:

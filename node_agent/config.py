@@ -92,6 +92,10 @@ class LoraAdapterConfig(BaseModel):
     max_rank: int | None = Field(default=None, gt=0)
     """The adapter's rank (`r` of its `adapter_config.json`) when above vLLM's default 16: the engine's
     `--max-lora-rank` is raised to the smallest vLLM value that fits the largest adapter (at most 512)."""
+    preload: bool = True
+    """Loaded into every engine serving the model at its start. False: loaded on demand only, by the coordinator,
+    onto the engine it chooses for the adapter's first request (`NodeAgent.LoadAdapter`); the engine's launch
+    flags still count it."""
 
     @field_validator("name")
     @classmethod

@@ -429,12 +429,14 @@ class EngineSupervisor:
         return self.engine is not None and self.engine.lora_enabled and bool(self.base_url)
 
     async def _watch_adapters(self, http: aiohttp.ClientSession) -> None:
-        """Loads the configured adapters (one the engine refuses is logged with its message and skipped: the
-        engine serves the others), then keeps `adapters` in step with the engine's `/v1/models`."""
+        """Loads the configured adapters but those with `preload: false` (one the engine refuses is logged with its
+        message and skipped: the engine serves the others), then keeps `adapters` in step with the engine's `/v1/models`."""
         assert self.engine is not None
         client = EngineAdapters(self.base_url)
         errors: dict[str, str] = {}
         for adapter in self.engine.adapters:
+            if not adapter.preload:  # loaded on demand, where the coordinator sends its requests
+                continue
             result = await client.load(http, adapter.name, adapter.path)
             if result.outcome in (Outcome.OK, Outcome.ALREADY_LOADED):  # loaded before: an adopted engine
                 continue

@@ -9,3 +9,14 @@ def test_a_heartbeats_load_carries_the_engines_adapters_and_slots():
     load = load_from_proto(msg)
     assert load.running == 2 and load.adapters == frozenset({"sql", "chat"}) and load.max_loras == 4
     assert load_from_proto(common_pb2.InstanceLoad()).adapters == frozenset()
+
+
+def test_admin_shows_an_instances_adapters_and_slots():
+    from coordinator.convert import status_to_proto
+    from coordinator.instances import InstanceInfo, InstanceState
+    from coordinator.workload import WorkloadLedger
+
+    state = InstanceState(InstanceInfo("i0", "m", "127.0.0.1:1", "hybrid", "aggregated"))
+    state.load = load_from_proto(common_pb2.InstanceLoad(loaded_adapters=["sql", "chat"], max_loras=2))
+    status = status_to_proto(state, WorkloadLedger())
+    assert list(status.load.loaded_adapters) == ["chat", "sql"] and status.load.max_loras == 2

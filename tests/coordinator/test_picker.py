@@ -158,7 +158,7 @@ class RecordingMatcher:
         self.holder = holder
         self.asked: list[list[str]] = []
 
-    async def match(self, request_id, model, token_ids, candidates, block_size=0, hashes=None):
+    async def match(self, request_id, model, token_ids, candidates, block_size=0, hashes=None, adapter=""):
         self.asked.append(sorted(candidates))
         return {self.holder: KvMatch(npu_blocks=4, block_size=16)} if self.holder in candidates else {}
 

@@ -215,6 +215,20 @@ def test_model_adapters_and_max_loras_reach_its_engines():
     assert not plain.lora_enabled and plain.max_loras is None
 
 
+def test_adapter_paths_with_a_dot_are_taken_from_the_mesh_files_directory_and_preload_defaults_on(tmp_path):
+    model = {"name": "m", "adapters": [{"name": "a", "path": "./adapters/a"}, {"name": "b", "path": "../b",
+             "preload": False}, {"name": "h", "path": "org/h-lora"}]}  # fmt: skip
+    config = parse_mesh_config(_lora_mesh(model), str(tmp_path / "dir" / "mesh.yaml"))
+    paths = {a.name: (a.path, a.preload) for a in config.models[0].adapters}
+    assert paths == {
+        "a": (str(tmp_path / "dir" / "adapters" / "a"), True),
+        "b": (str(tmp_path / "b"), False),
+        "h": ("org/h-lora", True),  # a hub id, as it is
+    }
+    engine = config.node_agents[0].engines[0]
+    assert [a.path for a in engine.adapters] == [paths["a"][0], paths["b"][0], "org/h-lora"]
+
+
 @pytest.mark.parametrize(
     ("model", "engine", "message"),
     [
@@ -245,3 +259,18 @@ def test_adapter_named_like_another_model_is_refused():
     data["models"].append({"name": "other"})
     with pytest.raises(ConfigError, match=r"models\[0\].adapters: 'other' is also a model's name"):
         parse_mesh_config(data)
+
+
+def test_an_adapter_load_must_fit_in_the_ext_authz_decision_timer():
+    model = {"name": "m", "adapters": [{"name": "a", "path": "/a"}]}
+    slow = {**_lora_mesh(model), "coordinator": {"adapters": {"load_timeout_s": 6}}}
+    with pytest.raises(ConfigError) as info:
+        parse_mesh_config(slow)
+    assert "coordinator.adapters.load_timeout_s: 6 s must be below envoy.ext_proc_timeout_ms (5 s)" in str(
+        info.value
+    )
+    assert (
+        parse_mesh_config({**slow, "envoy": {"decision": "ext_proc"}}).coordinator.adapters.load_timeout_s
+        == 6
+    )
+    assert parse_mesh_config(_lora_mesh(model)).coordinator.adapters.load_timeout_s == 3
