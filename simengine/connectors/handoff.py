@@ -190,7 +190,7 @@ class HandoffConnector(ConnectorBase):
                 if not reply.get("ok"):
                     raise ConnectionError(reply.get("error", "pull refused"))
                 await asyncio.wait_for(reader.readexactly(reply["nbytes"]), timeout)
-                self.metrics.kv_transfer_bytes.inc(reply["nbytes"])
+                self._moved(params["remote_host"], reply["nbytes"])
                 tokens = int(reply.get("num_tokens", req.num_prompt_tokens))
             finally:
                 writer.close()
@@ -219,7 +219,7 @@ class HandoffConnector(ConnectorBase):
             reply = json.loads(await asyncio.wait_for(reader.readline(), timeout) or b"{}")
             if not reply.get("ok"):
                 raise ConnectionError(reply.get("error", "push refused"))
-            self.metrics.kv_transfer_bytes.inc(nbytes)
+            self._moved(params["remote_host"], nbytes)
         finally:
             writer.close()
             self.engine.scheduler.release_held(request.request_id)
