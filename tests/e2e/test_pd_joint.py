@@ -1,10 +1,10 @@
-"""The joint (prefill, decode) choice through the real mesh (issue 21): examples/pd-handoff.yaml as shipped, two
-node agents on loopback addresses (n1 on 127.0.0.1, n2 on 127.0.0.2) with a simulated prefill and decode engine
-each, on free ports. The same reuse-heavy requests go through it once with `pd_choice: separate` (least-load
-decode) and once with `joint`: the joint choice moves fewer KV bytes across nodes (as the engines count them:
-`simengine:kv_transfer_peer_bytes_total` by peer host; and as the coordinator predicts them) and every request is
-answered, as the aggregated engine answers at temperature 0. A decode instance whose KV cache is full is never
-chosen."""
+"""The joint (prefill, decode) choice through the real mesh (issue 21): examples/pd-handoff.yaml and
+pd-trigger.yaml as shipped, two node agents on loopback addresses (n1 on 127.0.0.1, n2 on 127.0.0.2) with a simulated
+prefill and decode engine each, on free ports. The same reuse-heavy requests go through each once with `pd_choice:
+separate` (least-load decode) and once with `joint`: the joint choice moves fewer KV bytes across nodes (as the
+engines count them, `simengine:kv_transfer_peer_bytes_total` by peer host, and as the coordinator predicts them) and
+every request is answered, as the aggregated engine answers at temperature 0. A decode instance whose KV cache is
+full is never chosen."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ import re
 import tempfile
 
 import httpx
+import pytest
 import yaml
 
 from tandem.v1 import admin_pb2, common_pb2
 from tests.helpers import ROOT, RunningMesh, free_ports, metric_sum
 
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "pd-handoff.yaml").read_text())
+EXAMPLES = {
+    name: yaml.safe_load((ROOT / "examples" / name).read_text())
+    for name in ("pd-handoff.yaml", "pd-trigger.yaml")
+}
 PEER_BYTES = "simengine:kv_transfer_peer_bytes_total"
 COORDINATOR_BYTES = "tandem_coordinator_kv_transfer_bytes_total"
 
@@ -29,10 +33,12 @@ PREFIXES = [" ".join(f"d{d}w{i}" for i in range(120)) for d in range(4)]
 REQUESTS = [f"{PREFIXES[i % 4]} question {i} " + " ".join(f"q{i}x{j}" for j in range(15)) for i in range(48)]
 
 
-def example_config(pd_choice: str, engine_args: dict[str, list[str]] | None = None) -> dict:
+def example_config(
+    pd_choice: str, engine_args: dict[str, list[str]] | None = None, example: str = "pd-handoff.yaml"
+) -> dict:
     """The example's mesh with every listener moved to a free port of the same host, a runtime directory per agent,
     fast heartbeats and sped-up engines; `engine_args` adds arguments per instance id."""
-    config = copy.deepcopy(EXAMPLE)
+    config = copy.deepcopy(EXAMPLES[example])
     ports = iter(free_ports(24))
     moved: dict[str, str] = {}
 
@@ -108,8 +114,8 @@ def wait_all_registered(mesh: RunningMesh) -> None:
     mesh.wait_for(ready, 60, "all four engines registered and healthy")
 
 
-def measured(pd_choice: str, tmp_path_factory) -> dict[str, float]:
-    mesh = RunningMesh(example_config(pd_choice), tmp_path_factory.mktemp(pd_choice))
+def measured(example: str, pd_choice: str, tmp_path_factory) -> dict[str, float]:
+    mesh = RunningMesh(example_config(pd_choice, example=example), tmp_path_factory.mktemp(pd_choice))
     mesh.start()
     try:
         wait_all_registered(mesh)
@@ -135,11 +141,12 @@ def measured(pd_choice: str, tmp_path_factory) -> dict[str, float]:
         mesh.stop()
 
 
-def test_joint_moves_fewer_bytes_across_nodes_than_least_load_decode(tmp_path_factory, capsys):
-    separate = measured("separate", tmp_path_factory)
-    joint = measured("joint", tmp_path_factory)
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_joint_moves_fewer_bytes_across_nodes_than_least_load_decode(example, tmp_path_factory, capsys):
+    separate = measured(example, "separate", tmp_path_factory)
+    joint = measured(example, "joint", tmp_path_factory)
     with capsys.disabled():
-        print(f"\nKV bytes across/within nodes: separate {separate}, joint {joint}")
+        print(f"\n{example}: KV bytes across/within nodes: separate {separate}, joint {joint}")
     assert separate["codes_ok"] == 1.0 and joint["codes_ok"] == 1.0  # every request answered 200
     # Both moved KV for every request (the engines count each transfer once).
     assert separate["across"] + separate["within"] > 0 and joint["across"] + joint["within"] > 0
