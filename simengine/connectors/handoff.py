@@ -235,6 +235,9 @@ class HandoffConnector(ConnectorBase):
         try:
             header = json.loads(await reader.readline() or b"{}")
             op = header.get("op")
+            if self.cfg.fault_kv_refuse:  # --fault-kv-refuse: a broken link
+                writer.write(b'{"ok":false,"error":"KV transfers refused (fault injection)"}\n')
+                return
             if op == "pull":
                 req = self.engine.scheduler.held.get(header.get("remote_request_id"))
                 if req is None:
