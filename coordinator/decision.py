@@ -381,7 +381,7 @@ class Decider:
         ticket.prediction = prediction
         metrics.routing_predicted(prediction)
         if pick.planned is not None:
-            metrics.pd_choice(pick.request.model, pick.planned, self.picker.pair)
+            metrics.pd_choice(pick.request.model, pick.planned)
         self.counters.routed += 1
         self.counters.tier(tenant.name if tenant is not None else "", tier)[0] += 1
         metrics.routed(instance.instance_id)

@@ -147,6 +147,7 @@ class HandoffRunner:
             finally:
                 self.picker.release(leg)  # the leg is over: completed, failed, or cancelled with the request
             metrics.PREFILL_LEGS.labels("ok").inc()
+            metrics.kv_moved(*self.picker.kv_moved(pick, leg))
             return params
         raise PrefillFailed(f"the prefill leg failed on {len(tried)} instance(s); last error: {last}")
 

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from coordinator.capacity import Sizing
 from coordinator.latency import LatencyBook
-from coordinator.scheduling.pd_joint import PairChoice, PdJoint
+from coordinator.scheduling.pd_joint import PairChoice
 from coordinator.workload import WorkloadLedger
 
 ROUTED = Counter("tandem_coordinator_routed_requests", "Requests routed to an engine", ["instance"])
@@ -88,8 +88,9 @@ PD_CHOICES = Counter(
 )
 KV_TRANSFER_BYTES = Counter(
     "tandem_coordinator_kv_transfer_bytes",
-    "KV bytes the joint P/D choice sent between instances (predicted: prompt tokens the decode instance lacked "
-    "times the model's KV bytes per token), inside a node or across nodes",
+    "KV bytes P/D pairs moved between instances, counted per completed prefill leg under every pd_choice "
+    "(predicted: prompt tokens the decode instance was not known to hold times the model's KV bytes per token), "
+    "inside a node or across nodes",
     ["scope"],
 )
 CALLBACKS = Counter("tandem_coordinator_metaserver_callbacks", "Metaserver callbacks by outcome", ["outcome"])
@@ -300,15 +301,16 @@ def routed(instance_id: str) -> None:
     child.inc()
 
 
-def pd_choice(model: str, choice: PairChoice, pair: PdJoint | None) -> None:
-    """Counts one joint P/D choice (`coordinator.scheduling.pd_joint.PairChoice`) and the KV it moves."""
-    if choice.prefill is None:
-        PD_CHOICES.labels(model, "local").inc()
-        return
-    PD_CHOICES.labels(model, "disaggregated").inc()
-    if choice.transfer_tokens and pair is not None:
-        scope = "cross_node" if choice.cross_node else "intra_node"
-        KV_TRANSFER_BYTES.labels(scope).inc(choice.transfer_tokens * pair.params.kv_bytes_per_token)
+def pd_choice(model: str, choice: PairChoice) -> None:
+    """Counts one joint P/D choice (`coordinator.scheduling.pd_joint.PairChoice`); the KV its prefill leg moves is
+    counted when the leg completes (`kv_moved`)."""
+    PD_CHOICES.labels(model, "local" if choice.prefill is None else "disaggregated").inc()
+
+
+def kv_moved(nbytes: int, cross_node: bool) -> None:
+    """Counts the KV one completed prefill leg of a P/D pair moved (`EndpointPicker.kv_moved`)."""
+    if nbytes:
+        KV_TRANSFER_BYTES.labels("cross_node" if cross_node else "intra_node").inc(nbytes)
 
 
 # -- routing quality (`coordinator.routing_quality`) ---------------------------------------------------------------

@@ -31,7 +31,9 @@ from coordinator.kv_match import ConductorMatcher
 from coordinator.latency import LatencyBook
 from coordinator.predicted_cache import PredictedCache
 from coordinator.scheduling import NO_MATCH, Candidate, KvMatch, Policy, RequestFacts
+from coordinator.scheduling.params import parse_params
 from coordinator.scheduling.pd_joint import PairChoice, PdJoint, prefill_s
+from coordinator.scheduling.pd_joint import Params as PairParams
 from coordinator.scheduling.pd_joint import create as create_pair
 from coordinator.understanding import OpenAIRequest, TokenizerCache, understand_body
 from coordinator.workload import Commitment, WorkloadLedger
@@ -159,11 +161,16 @@ class EndpointPicker:
         self.decode_policy = decode_policy or config.scheduler.build_decode()
         #: The joint (prefill, decode) choice, when `scheduler.pd_choice` is `joint` or `adaptive`.
         choice = config.scheduler.pd_choice
+        #: Where instances sit and their links (`coordinator.topology`): the joint choice's costs, and the scope of
+        #: the KV every P/D pair moves (`kv_moved`) under any `pd_choice`.
+        self.topology = config.topology.build()
         self.pair: PdJoint | None = None
         if choice != "separate":
-            self.pair = create_pair(
-                config.scheduler.pd_joint, config.topology.build(), local=choice == "adaptive"
-            )
+            self.pair = create_pair(config.scheduler.pd_joint, self.topology, local=choice == "adaptive")
+        #: KV bytes per prompt token (`scheduler.pd_joint.kv_bytes_per_token`).
+        self.kv_bytes_per_token = parse_params(
+            PairParams, config.scheduler.pd_joint, "pd_joint"
+        ).kv_bytes_per_token
         self.tokenizers = tokenizers
         self.matcher = matcher
         self.predicted = predicted  # prompts just routed count as cached until KV events confirm them
@@ -458,6 +465,15 @@ class EndpointPicker:
         leg = Leg(chosen.state, self._commit(chosen.state, isl - matched, 0, isl, isl), chosen.match)
         self._predict(policy, leg, pick.hashes)
         return leg
+
+    def kv_moved(self, pick: Pick, prefill: Leg) -> tuple[int, bool]:
+        """The KV bytes a P/D pair moves (predicted: the prompt tokens the decode instance was not known to hold,
+        `kv_bytes_per_token` each) and whether they cross nodes, for the prefill leg `prefill` of `pick`; the same
+        figure under every `pd_choice`, so that the choices compare."""
+        isl = pick.request.prompt_tokens
+        tokens = max(0, isl - min(pick.target.match.matched_tokens, isl))
+        cross = self.topology.cross_node(prefill.instance.info.node_id, pick.target.instance.info.node_id)
+        return tokens * self.kv_bytes_per_token, cross
 
     def release(self, leg: Leg) -> bool:
         """Releases one leg's workload; True the first time only."""

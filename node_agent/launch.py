@@ -106,7 +106,8 @@ def _json(value: object) -> str:
 
 
 def kv_transfer_config(engine: EngineConfig, runtime_dir: str) -> dict | None:
-    """`--kv-transfer-config`: connector, `kv_role` from the role, `engine_id` from the instance id, merged extras."""
+    """`--kv-transfer-config`: connector, `kv_role` from the role, `engine_id` from the instance id, `kv_ip` from the
+    engine's host, merged extras (the engine's own `kv_transfer_config` keys win)."""
     if not engine.kv_connector:
         return None
     extra = copy.deepcopy(engine.kv_connector_extra_config)
@@ -125,6 +126,9 @@ def kv_transfer_config(engine: EngineConfig, runtime_dir: str) -> dict | None:
         "kv_connector": engine.kv_connector,
         "kv_role": engine.kv_role,
         "engine_id": engine.instance_id,
+        # The address this engine's KV listener binds and its answers announce to the peer engine: its own host,
+        # not the 127.0.0.1 default, or a peer on another node would pull from (or push to) itself.
+        "kv_ip": engine.host,
     }
     if engine.kv_port is not None:
         config["kv_port"] = engine.kv_port

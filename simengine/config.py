@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--fault-duplicate-callbacks", action="store_true", help="POST every metaserver callback twice"
     )
+    f.add_argument("--fault-kv-refuse", action="store_true",
+                   help="the TCP KV listener refuses every pull and push (a broken link: peers recompute)")  # fmt: skip
     f.add_argument("--fault-event-gap-every", type=int, default=0, metavar="N",
                    help="skip every Nth KV event batch (its sequence number is lost)")  # fmt: skip
     f.add_argument("--fault-seed", type=int, default=0, help="seed of the error-rate draw")
@@ -225,6 +227,7 @@ class EngineConfig:
     fault_error_rate: float
     fault_drop_callbacks: bool
     fault_duplicate_callbacks: bool
+    fault_kv_refuse: bool
     fault_event_gap_every: int
     fault_seed: int
     enable_request_id_headers: bool = False
@@ -309,6 +312,7 @@ def parse_config(argv: list[str] | None = None) -> EngineConfig:
         fault_error_rate=a.fault_error_rate,
         fault_drop_callbacks=a.fault_drop_callbacks,
         fault_duplicate_callbacks=a.fault_duplicate_callbacks,
+        fault_kv_refuse=a.fault_kv_refuse,
         fault_event_gap_every=a.fault_event_gap_every,
         fault_seed=a.fault_seed,
         enable_request_id_headers=a.enable_request_id_headers,

@@ -57,6 +57,8 @@ class EngineMetrics:
         GCCollector(registry=r)
         labels = ("model_name", "engine")
         lv = (model_name, engine)
+        #: This engine's label values, for labelled families with further labels.
+        self.label_values = lv
         self._engine = engine
         self.lora_info: Gauge | None = None
         self._max_lora = ""
@@ -230,6 +232,15 @@ class EngineMetrics:
         )
         self.kv_transfer_bytes = counter(
             "simengine:kv_transfer_bytes", "Bytes of simulated KV moved over TCP (P/D)."
+        )
+        #: By the other engine's KV host (`peer`), counted once per transfer by the engine that starts it (the
+        #: decode engine pulling, the prefill engine pushing): bytes across hosts are those whose `peer` is not this
+        #: engine's own KV host (`kv_ip`).
+        self.kv_transfer_peer_bytes = Counter(
+            "simengine:kv_transfer_peer_bytes",
+            "Bytes of simulated KV this engine pulled or pushed over TCP (P/D), by the peer engine's KV host.",
+            [*labels, "peer"],
+            registry=r,
         )
         self.kv_transfer_fallbacks = counter(
             "simengine:kv_transfer_fallbacks",

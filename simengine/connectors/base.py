@@ -38,6 +38,11 @@ class ConnectorBase:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _moved(self, peer: str, nbytes: int) -> None:
+        """Counts one transfer this engine started (a pull or a push) of `nbytes` with the engine at `peer`."""
+        self.metrics.kv_transfer_bytes.inc(nbytes)
+        self.metrics.kv_transfer_peer_bytes.labels(*self.metrics.label_values, peer).inc(nbytes)
+
     def _done(self, req: Request, ok: bool, tokens: int = 0) -> None:
         """Ends a request's transfer: `tokens` leading prompt tokens arrived (ok) or none did (compute them)."""
         req.remote_kv_done = True

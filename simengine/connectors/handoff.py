@@ -190,7 +190,7 @@ class HandoffConnector(ConnectorBase):
                 if not reply.get("ok"):
                     raise ConnectionError(reply.get("error", "pull refused"))
                 await asyncio.wait_for(reader.readexactly(reply["nbytes"]), timeout)
-                self.metrics.kv_transfer_bytes.inc(reply["nbytes"])
+                self._moved(params["remote_host"], reply["nbytes"])
                 tokens = int(reply.get("num_tokens", req.num_prompt_tokens))
             finally:
                 writer.close()
@@ -219,7 +219,7 @@ class HandoffConnector(ConnectorBase):
             reply = json.loads(await asyncio.wait_for(reader.readline(), timeout) or b"{}")
             if not reply.get("ok"):
                 raise ConnectionError(reply.get("error", "push refused"))
-            self.metrics.kv_transfer_bytes.inc(nbytes)
+            self._moved(params["remote_host"], nbytes)
         finally:
             writer.close()
             self.engine.scheduler.release_held(request.request_id)
@@ -235,6 +235,9 @@ class HandoffConnector(ConnectorBase):
         try:
             header = json.loads(await reader.readline() or b"{}")
             op = header.get("op")
+            if self.cfg.fault_kv_refuse:  # --fault-kv-refuse: a broken link
+                writer.write(b'{"ok":false,"error":"KV transfers refused (fault injection)"}\n')
+                return
             if op == "pull":
                 req = self.engine.scheduler.held.get(header.get("remote_request_id"))
                 if req is None:

@@ -78,7 +78,7 @@ class MooncakeConnector(HandoffConnector):
         )  # fmt: skip
         tokens = len(local) * self.cfg.block_size
         if result.ok:
-            self.metrics.kv_transfer_bytes.inc(result.nbytes)
+            self._moved(params["remote_host"], result.nbytes)
             bad = sum(
                 transport.read_block(lb)[:1] != bytes([block_pattern(rb)])
                 for rb, lb in zip(remote, local, strict=False)

@@ -84,6 +84,19 @@ def test_default_config_loads():
             },
             "coordinator.topology.nodes.n9: no node agent has node_id 'n9' (known: n1)",
         ),
+        (
+            {"coordinator": {"topology": {"nodes": {"n1": {"intra": {"gbytes_per_s": -56}}}}}},
+            "coordinator.topology.nodes.n1.intra.gbytes_per_s: Input should be greater than 0",
+        ),
+        (
+            {"coordinator": {"topology": {"nodes": {"n1": {"nic": {"gbytes_per_s": 25, "latency_us": -1}}}}}},
+            "coordinator.topology.nodes.n1.nic.latency_us",
+        ),
+        ({"coordinator": {"topology": {"preset": "tpu"}}}, "coordinator.topology.preset"),
+        (
+            {"coordinator": {"topology": {"nodes": {"n1": {"bandwidth": 25}}}}},
+            "coordinator.topology.nodes.n1.bandwidth: unknown key",
+        ),
         ({"coordinator": {"scheduler": {"pd_choice": "sometimes"}}}, "coordinator.scheduler.pd_choice"),
         ({"coordinator": {"scheduler": {"pd_joint": {"top_k": 0}}}}, "top_k: must be >= 1"),
         ([1, 2], "expected a mapping"),
