@@ -32,13 +32,17 @@ class FakeAgent(node_agent_pb2_grpc.NodeAgentServicer):
         self.order: list[str] = []  # "load a", "unload b", ... as they finish
         self.now = self.most = 0
 
-    async def UnloadAdapter(self, request, context):
+    async def _work(self) -> None:
+        """One call's `delay_s`, counted in `now` and `most` while it runs."""
         self.now += 1
         self.most = max(self.most, self.now)
         try:
             await asyncio.sleep(self.delay_s)
         finally:
             self.now -= 1
+
+    async def UnloadAdapter(self, request, context):
+        await self._work()
         self.unloads.append((request.instance_id, request.adapter_name))
         self.order.append(f"unload {request.adapter_name}")
         return node_agent_pb2.UnloadAdapterResponse()
@@ -46,12 +50,7 @@ class FakeAgent(node_agent_pb2_grpc.NodeAgentServicer):
     async def LoadAdapter(self, request, context):
         node = dict(context.invocation_metadata()).get(NODE_HEADER, "")
         self.calls.append((node, request.instance_id, request.adapter_name, request.adapter_path))
-        self.now += 1
-        self.most = max(self.most, self.now)
-        try:
-            await asyncio.sleep(self.delay_s)
-        finally:
-            self.now -= 1
+        await self._work()
         if self.code != grpc.StatusCode.OK:
             await context.abort(self.code, f"no adapter found at {request.adapter_path}")
         self.order.append(f"load {request.adapter_name}")
