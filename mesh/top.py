@@ -7,8 +7,10 @@ What it shows, and where each figure comes from (nothing is estimated here that 
   use (its last heartbeat), the requests the coordinator has in flight there, the prompt tokens committed and not
   yet prefilled ("queued prefill") and the decode tokens committed, and the engine's prefix-cache hit rate: found
   cached over prompt tokens computed, from the counters its heartbeats carry (`RankProgress`), over the last ten
-  seconds and since the engine started. An instance that was listed and is no longer is shown `GONE` (an engine
-  whose agent deregistered it) until it comes back;
+  seconds and since the engine started, its last heartbeat's age and how long it has been registered (`UP`: an
+  engine its agent restarted registers again, so a restart faster than a refresh still shows as a short `UP`). An
+  instance that was listed and is no longer is shown `GONE` (an engine whose agent deregistered it) until it comes
+  back;
 - per service tier (`Admin/GetStats` `ttft_slo`, `queues`): TTFT objective attainment (streamed requests whose
   first token came within the tier's `ttft_slo_s`), requests waiting in the admission queue, and those it shed;
 - per P/D model: the legs in flight (requests in flight on its prefill and on its decode instances), the sizing
@@ -92,6 +94,15 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
+def _duration(seconds: float) -> str:
+    """`42s`, `17m`, `5h`, `3d`: how long an instance has been registered, at a glance."""
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
 def _role(status: admin_pb2.InstanceStatus) -> str:
     return common_pb2.Role.Name(status.instance.role).removeprefix("ROLE_").lower()
 
@@ -106,7 +117,7 @@ def _instances_table(history: History, now: Sample) -> Table:
     table = Table(title="instances", title_justify="left", expand=True)
     for name in ("INSTANCE", "MODEL", "ROLE", "NODE", "HEALTH", "RUN", "WAIT", "KV%", "INFLIGHT"):
         table.add_column(name, no_wrap=True)
-    for name in ("QUEUED PREFILL", "DECODE TOK", f"HIT {HIT_WINDOW_S:.0f}s", "HIT ALL", "HEARTBEAT"):
+    for name in ("QUEUED PREFILL", "DECODE TOK", f"HIT {HIT_WINDOW_S:.0f}s", "HIT ALL", "HEARTBEAT", "UP"):
         table.add_column(name, no_wrap=True, justify="right")
     current = {s.instance.instance_id: s for s in now.instances}
     oldest = history.samples[0] if history.samples else None
@@ -125,13 +136,18 @@ def _instances_table(history: History, now: Sample) -> Table:
             health += " drained"
         load = status.load
         window = hit_rate(before.get(iid), status) if oldest is not None and oldest is not now else None
+        wall = time.time()
         beat = status.last_heartbeat_at.ToSeconds()
-        age = f"{max(0.0, time.time() - beat):.1f}s" if beat else "-"
+        age = f"{max(0.0, wall - beat):.1f}s" if beat else "-"
+        registered = (
+            status.registered_at.ToSeconds()
+        )  # a restarted engine registers again: its UP starts over
         table.add_row(
             iid, status.instance.model, _role(status), status.instance.node_id, Text(health, style=style),
             str(load.running_requests), str(load.waiting_requests), f"{100 * load.kv_cache_usage:.0f}",
             str(status.inflight_requests), str(status.prefill_tokens), str(status.decode_tokens),
             _percent(window), _percent(hit_rate(None, status)), age,
+            _duration(wall - registered) if registered else "-",
         )  # fmt: skip
     return table
 

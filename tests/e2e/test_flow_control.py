@@ -2,8 +2,9 @@
 engine: each engine takes one request at a time) make the coordinator hold requests. A flood of `flex` requests
 fills the flex queue and the rest get 429 `rejected: saturated` with `retry-after`; `priority` requests sent after
 them are admitted ahead of the waiting flex ones; every admitted request completes; the OpenAI SDK's retry on the
-429 succeeds; and the queue and in-flight gauges are back to zero. Bounded: 14 flex requests, 3 priority ones and
-one SDK call, each with a client timeout."""
+429 succeeds; and the queue and in-flight gauges are back to zero. Each test first occupies both engines with a long
+request (seconds), so the queue stays full while the test looks at it. Bounded: 2 long and 14 flex requests, 3
+priority ones and one SDK call, each with a client timeout."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ GOLD = {"name": "gold", "keys": ["sk-gold"], "default_tier": "priority", "max_ti
 BATCH = {"name": "batch", "keys": ["sk-batch"], "default_tier": "flex", "max_tier": "default"}
 #: ~50 decode steps of the simulated 910B: a few tenths of a second per request.
 BODY = {"model": "tandem-sim", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 48}
+#: Several seconds of decoding: holds an engine while the queue behind it is filled and looked at.
+LONG = {**BODY, "max_tokens": 480}
 FLEX_QUEUED = 6
-FLOOD = 14  # 2 on the engines, 6 waiting, the rest refused
+FLOOD = 14  # both engines busy: 6 waiting, the rest refused
 
 
 @pytest.fixture(scope="module", params=["ext_authz", "ext_proc"])
@@ -43,11 +46,23 @@ def mesh(request, tmp_path_factory):
         running.stop()
 
 
-def post(mesh: RunningMesh, key: str, results: list, index: int) -> None:
+def post(mesh: RunningMesh, key: str, results: list, index: int, body: dict = BODY) -> None:
     reply = httpx.post(
-        mesh.http + "/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        mesh.http + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
     )
     results[index] = (reply, time.monotonic())
+
+
+def occupy_engines(mesh: RunningMesh) -> tuple[list, list[threading.Thread]]:
+    """One long flex request on each engine, admitted one after the other (each finds an idle engine)."""
+    long: list = [None] * 2
+    threads = [threading.Thread(target=post, args=(mesh, "sk-batch", long, i, LONG)) for i in range(2)]
+    for i, t in enumerate(threads):
+        t.start()
+        wait_until(
+            lambda n=i + 1: mesh.stats().requests_inflight == n, 20, f"{i + 1} long request(s) in flight"
+        )
+    return long, threads
 
 
 def queued(mesh: RunningMesh, tier: str) -> float:
@@ -55,6 +70,7 @@ def queued(mesh: RunningMesh, tier: str) -> float:
 
 
 def test_flex_flood_is_queued_or_refused_and_priority_goes_first(mesh):
+    long, long_threads = occupy_engines(mesh)
     flex: list = [None] * FLOOD
     threads = [threading.Thread(target=post, args=(mesh, "sk-batch", flex, i)) for i in range(FLOOD)]
     for t in threads:
@@ -65,13 +81,14 @@ def test_flex_flood_is_queued_or_refused_and_priority_goes_first(mesh):
     prio_threads = [threading.Thread(target=post, args=(mesh, "sk-gold", prio, i)) for i in range(3)]
     for t in prio_threads:
         t.start()
-    for t in [*threads, *prio_threads]:
+    for t in [*long_threads, *threads, *prio_threads]:
         t.join(90)
-    assert all(r is not None for r in flex + prio), "a request never came back"
+    assert all(r is not None for r in long + flex + prio), "a request never came back"
+    assert all(r.status_code == 200 for r, _ in long)
 
     refused = [r for r, _ in flex if r.status_code == 429]
     served = [(r, at) for r, at in flex if r.status_code == 200]
-    assert len(refused) >= FLOOD - 2 - FLEX_QUEUED and len(served) + len(refused) == FLOOD, [
+    assert len(refused) == FLOOD - FLEX_QUEUED and len(served) == FLEX_QUEUED, [
         (r.status_code, r.text) for r, _ in flex if r.status_code not in (200, 429)
     ]
     for reply in refused:
@@ -97,7 +114,8 @@ def test_flex_flood_is_queued_or_refused_and_priority_goes_first(mesh):
 
 
 def test_the_openai_sdk_retries_the_429_and_every_gauge_is_back_to_zero(mesh):
-    flood: list = [None] * (2 + FLEX_QUEUED)
+    long, long_threads = occupy_engines(mesh)
+    flood: list = [None] * FLEX_QUEUED
     threads = [threading.Thread(target=post, args=(mesh, "sk-batch", flood, i)) for i in range(len(flood))]
     for t in threads:
         t.start()
@@ -111,9 +129,9 @@ def test_the_openai_sdk_retries_the_429_and_every_gauge_is_back_to_zero(mesh):
     http_client.close()
     assert completion.usage.completion_tokens == 2
     assert seen[0] == 429 and seen[-1] == 200, seen
-    for t in threads:
+    for t in [*long_threads, *threads]:
         t.join(90)
-    assert all(r is not None and r[0].status_code == 200 for r in flood)
+    assert all(r is not None and r[0].status_code == 200 for r in long + flood)
 
     def idle() -> bool:
         s = mesh.stats()

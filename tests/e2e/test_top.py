@@ -2,7 +2,9 @@
 --certs-dir DIR` against a 4-engine mesh started by `tandem up` (mutual TLS: it reads Admin through Envoy with the
 operator's certificate) while clients send shared-prefix requests: every instance's id, health, load and hit rate is
 on screen, and a recent kv_affinity decision with the chosen engine's expected cache hit and predicted TTFT; an
-engine SIGKILLed shows not HEALTHY within 2 s. Bounded: 2 clients for at most 60 s, each request with
+engine SIGKILLed shows not HEALTHY within 2 s, then HEALTHY again with a short UP once its agent restarted it (after
+4 s here: the tests' usual 0.2 s backoff and a 0.5 s simulated start-up would bring it back between two refreshes,
+shown only by UP). Bounded: 2 clients for at most 60 s, each request with
 a 30 s timeout; every wait has its deadline."""
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ from tests.helpers import ROOT, RunningMesh, mesh_config, wait_until
 TMUX = shutil.which("tmux")
 ENGINES = [f"sim-{i}" for i in range(4)]
 VICTIM = "sim-2"
+RESTART_AFTER_S = 4.0
 
 pytestmark = pytest.mark.skipif(TMUX is None, reason="tmux not installed (make system-deps)")
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    running = RunningMesh(
-        mesh_config(engines=4, engine_args=["--speedup", "20"], policy="kv_affinity"),
-        tmp_path_factory.mktemp("top"),
-    )
+    config = mesh_config(engines=4, engine_args=["--speedup", "20"], policy="kv_affinity")
+    config["node_agents"][0]["restart"] = {
+        "initial_backoff_s": RESTART_AFTER_S,
+        "max_backoff_s": RESTART_AFTER_S,
+    }
+    running = RunningMesh(config, tmp_path_factory.mktemp("top"))
     running.start()
     yield running
     running.stop()
@@ -72,6 +77,11 @@ def shlex_quote(s: str) -> str:
 
 def row(screen: str, instance_id: str) -> str:
     return next((line for line in screen.splitlines() if re.search(rf"\b{instance_id}\b", line)), "")
+
+
+def cells(screen: str, instance_id: str) -> list[str]:
+    """The instance's row split into its columns (INSTANCE, MODEL, ROLE, NODE, HEALTH, ..., HEARTBEAT, UP)."""
+    return [c.strip() for c in row(screen, instance_id).split("│")[1:-1]]
 
 
 #: A row of the recent decisions panel: time, request id, model, policy, stage, chosen engine, prompt tokens, then
@@ -158,9 +168,22 @@ def test_top_shows_the_mesh_under_load_and_a_killed_engine_turning_unhealthy(mes
         wait_until(lambda: "HEALTHY" not in row(terminal.screen(), VICTIM).replace("UNHEALTHY", ""), 2.0,
                    f"{VICTIM} shown not healthy")  # fmt: skip
         shown = time.monotonic() - killed
-        print(f"{VICTIM} shown as {row(terminal.screen(), VICTIM).split()[9:10]} {shown:.2f}s after SIGKILL")
+        print(f"{VICTIM} shown as {cells(terminal.screen(), VICTIM)[4]} {shown:.2f}s after SIGKILL")
         print(terminal.screen())
         assert all("HEALTHY" in row(terminal.screen(), iid) for iid in ENGINES if iid != VICTIM)
+
+        def back() -> bool:
+            row_cells = cells(terminal.screen(), VICTIM)
+            return (
+                len(row_cells) > 14
+                and row_cells[4] == "HEALTHY"
+                and row_cells[14] in {f"{s}s" for s in range(10)}
+            )
+
+        wait_until(back, RESTART_AFTER_S + 20, f"{VICTIM} restarted, shown HEALTHY with a short UP")
+        print(
+            f"{VICTIM} back {time.monotonic() - killed:.1f}s after SIGKILL: {row(terminal.screen(), VICTIM)}"
+        )
     finally:
         stop.set()
         terminal.close()

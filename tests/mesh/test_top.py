@@ -1,11 +1,12 @@
 """`tandem top`'s view, from Admin answers built here (the live terminal test is tests/e2e/test_top.py): hit
-rates from the engines' progress counters, an instance that vanished shown GONE, TTFT objective attainment and the
+rates from the engines' progress counters, an instance that vanished shown GONE, how long each has been registered (UP), TTFT objective attainment and the
 queue per tier, P/D legs in flight per role, recent decisions with their candidates' scores, and an unreachable
 Admin named instead of a crash."""
 
 from __future__ import annotations
 
 import io
+import time
 
 import grpc
 from rich.console import Console
@@ -77,6 +78,7 @@ def test_the_screen_shows_instances_tiers_and_pd_legs_and_a_vanished_instance():
     )
     assert [c.strip() for c in pd.split("│")[1:-1]] == ["pd", "3", "1", "0.90", "0.20", "1:1", "2:1"]
     assert "recent decisions" in screen
+    assert lines["a"].split("│")[-2].strip() == "-"  # no registration time known: no UP
     row = next(line for line in screen.splitlines() if "tdm-abc" in line)
     cells = [c.strip() for c in row.split("│")[1:-1]]
     assert cells[1:] == ["tdm-abc", "m", "kv_affinity", "aggregated", "a", "300", "272", "44", "12ms",
@@ -96,3 +98,14 @@ def test_once_names_an_unreachable_admin_and_fails():
         code = run(channel, "127.0.0.1:1", once=True, console=Console(file=out, width=200, color_system=None))
     assert code == 1
     assert "Admin unreachable: UNAVAILABLE" in out.getvalue()
+
+
+def test_up_is_the_time_since_registration_so_a_quick_restart_shows():
+    history = History()
+    old, restarted = status("a", 0, 0), status("b", 0, 0)
+    old.registered_at.FromSeconds(int(time.time()) - 2 * 3600 - 5)
+    restarted.registered_at.FromSeconds(int(time.time()) - 3)
+    history.add(Sample(0.0, [old, restarted], admin_pb2.GetStatsResponse()))
+    lines = {line.split()[1]: line for line in text(history).splitlines() if line.startswith("│")}
+    assert lines["a"].split("│")[-2].strip() == "2h"
+    assert lines["b"].split("│")[-2].strip() in {"3s", "4s"}
