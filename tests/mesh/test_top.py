@@ -1,7 +1,7 @@
 """`tandem top`'s view, from Admin answers built here (the live terminal test is tests/e2e/test_top.py): hit
-rates from the engines' progress counters, an instance that vanished shown GONE, how long each has been registered (UP), TTFT objective attainment and the
-queue per tier, P/D legs in flight per role, recent decisions with their candidates' scores, and an unreachable
-Admin named instead of a crash."""
+rates from the engines' progress counters, an instance that vanished shown GONE, how long each has been registered
+(UP), TTFT objective attainment and the queue per tier, P/D legs in flight per role, recent decisions with their
+candidates' scores, and an unreachable Admin named instead of a crash."""
 
 from __future__ import annotations
 
