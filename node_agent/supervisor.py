@@ -378,6 +378,7 @@ class EngineSupervisor:
             scrapes = bool(self.base_url)
             tick = min(self.probe_interval_s, self.load_interval_s) if scrapes else self.probe_interval_s
             answered_at = loop.time()  # the last health probe answered
+            failed = 0  # health probes failed since then
             while not exited.done():
                 await asyncio.wait({exited}, timeout=tick)
                 if exited.done():
@@ -385,9 +386,10 @@ class EngineSupervisor:
                 if loop.time() >= next_probe:
                     next_probe = loop.time() + self.probe_interval_s
                     healthy = await self._probe(http)
+                    failed = 0 if healthy else failed + 1
                     if healthy:
                         answered_at = loop.time()
-                    elif liveness_expired(answered_at, loop.time(), self.liveness_timeout_s):
+                    elif liveness_expired(answered_at, loop.time(), failed, self.liveness_timeout_s):
                         silent = loop.time() - answered_at
                         self._kill_reason = (
                             f"no answer to its health probe for {silent:.1f}s, killed (liveness_timeout_s)"
@@ -518,10 +520,19 @@ class EngineSupervisor:
         return {"instance": self.name, "restarts": self.restarts, "exit_code": self.last_exit_code}
 
 
-def liveness_expired(answered_at: float, now: float, timeout_s: float | None) -> bool:
+#: Health probes that must fail in a row before a silent engine is killed: one is not enough, as the first probe after
+#: the agent itself was frozen or starved fails on its own account (a keep-alive connection the engine closed
+#: meanwhile, a timeout run out while the agent did not run) and finds the engine silent since before the agent's gap.
+LIVENESS_FAILED_PROBES = 2
+
+
+def liveness_expired(answered_at: float, now: float, failed_probes: int, timeout_s: float | None) -> bool:
     """True when a running process whose last answered health probe was at `answered_at` has been silent for
-    `timeout_s` (never with None): it is frozen or hung, not busy (a busy engine still answers `/health`)."""
-    return timeout_s is not None and now - answered_at >= timeout_s
+    `timeout_s` (never with None) and failed `LIVENESS_FAILED_PROBES` probes in a row: it is frozen or hung, not busy
+    (a busy engine still answers `/health`), and the silence is not only the agent's own."""
+    return (
+        timeout_s is not None and now - answered_at >= timeout_s and failed_probes >= LIVENESS_FAILED_PROBES
+    )
 
 
 async def _tcp_open(address: str) -> bool:

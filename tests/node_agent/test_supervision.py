@@ -17,7 +17,7 @@ from node_agent.config import NodeAgentConfig, RestartPolicy
 from node_agent.grpc_service import NodeAgentService
 from node_agent.launch import LaunchSpec
 from node_agent.processes import start_ticks
-from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams
+from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams, liveness_expired
 from tandem.restarts import backoff_delay
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2, registry_pb2_grpc
 from tests.helpers import eventually, free_ports
@@ -148,6 +148,16 @@ async def test_simengine_crashing_after_requests_is_restarted_then_failed(tmp_pa
         assert all(a != b for a, b in zip(events, events[1:], strict=False)), events
     finally:
         await agent.stop(stop_engines=True)
+
+
+def test_liveness_needs_the_timeout_of_silence_and_two_failed_probes_in_a_row():
+    assert not liveness_expired(
+        answered_at=10.0, now=12.9, failed_probes=3, timeout_s=3.0
+    )  # not silent long enough
+    assert liveness_expired(answered_at=10.0, now=13.0, failed_probes=2, timeout_s=3.0)
+    # The agent itself was frozen 5 s: its first probe after the thaw fails on its own account; no kill for that.
+    assert not liveness_expired(answered_at=10.0, now=15.5, failed_probes=1, timeout_s=3.0)
+    assert not liveness_expired(answered_at=10.0, now=60.0, failed_probes=9, timeout_s=None)  # liveness off
 
 
 async def test_frozen_engine_is_reported_unresponsive_then_killed_and_restarted(tmp_path, registry):
