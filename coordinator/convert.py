@@ -89,6 +89,7 @@ def load_from_proto(msg: common_pb2.InstanceLoad) -> EngineLoad:
     load.prefix_hits = {p.dp_rank: p.prefix_cache_hits_total for p in msg.progress}
     load.adapters = frozenset(msg.loaded_adapters)  # LoRA adapters the engine serves, and its slots
     load.max_loras = msg.max_loras
+    load.kv_transfers, load.kv_transfer_failures = msg.kv_transfers_total, msg.kv_transfer_failures_total
     return load
 
 
@@ -116,6 +117,8 @@ def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:
             ],
             loaded_adapters=sorted(load.adapters),  # the LoRA adapters it serves, as its heartbeat says
             max_loras=load.max_loras,
+            kv_transfer_failures_total=load.kv_transfer_failures,
+            kv_transfers_total=load.kv_transfers,
         ),
         drained=state.drained,
         workload_tokens=ledger.tokens(iid),

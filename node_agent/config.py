@@ -190,9 +190,10 @@ class EngineConfig(BaseModel):
     """`kv_transfer_config.kv_connector_extra_config`: the user's fields are kept; for Mooncake connectors this
     engine's side (`prefill` or `decode`) gets its `dp_size`/`tp_size`/`pp_size` filled in."""
     kv_transfer_config: dict[str, Any] = {}
-    """Further `--kv-transfer-config` fields (kv_buffer_device, kv_connector_module_path, ...). `kv_ip` (the address
-    the engine's KV listener binds and announces to its peer) is the engine's `host` unless set here (a KV NIC other
-    than the HTTP address; list it in `coordinator.callback_kv_hosts` too)."""
+    """Further `--kv-transfer-config` fields (kv_buffer_device, kv_connector_module_path, ...). The address the
+    engine's KV listener binds and announces to its peer is the engine's `host`, passed as vLLM reads it, in
+    `VLLM_NIXL_SIDE_CHANNEL_HOST`; set that in `env` for a KV NIC other than the HTTP address (and list it in
+    `coordinator.callback_kv_hosts` too)."""
     kv_events: bool = True
     """Publish KV events and relay them to the conductor."""
     kv_events_port: int | None = Field(default=None, gt=0, lt=65536)

@@ -111,6 +111,8 @@ def heartbeat_message(sup: EngineSupervisor) -> registry_pb2.HeartbeatRequest:
             ],
             loaded_adapters=sup.adapters,
             max_loras=sup.engine.lora_slots if sup.engine is not None and sup.engine.lora_enabled else 0,
+            kv_transfer_failures_total=sup.load.kv_transfer_failures,
+            kv_transfers_total=sup.load.kv_transfers,
         ),
     )
 

@@ -106,8 +106,10 @@ def _json(value: object) -> str:
 
 
 def kv_transfer_config(engine: EngineConfig, runtime_dir: str) -> dict | None:
-    """`--kv-transfer-config`: connector, `kv_role` from the role, `engine_id` from the instance id, `kv_ip` from the
-    engine's host, merged extras (the engine's own `kv_transfer_config` keys win)."""
+    """`--kv-transfer-config`: connector, `kv_role` from the role, `engine_id` from the instance id, merged extras
+    (the engine's own `kv_transfer_config` keys win). The KV listener's address is not here: vLLM takes it from
+    `VLLM_NIXL_SIDE_CHANNEL_HOST` (`KV_HOST_ENV`, set by `build_launch`), and its `KVTransferConfig` rejects keys it
+    does not know (vLLM 0.32 has no `kv_ip`)."""
     if not engine.kv_connector:
         return None
     extra = copy.deepcopy(engine.kv_connector_extra_config)
@@ -126,9 +128,6 @@ def kv_transfer_config(engine: EngineConfig, runtime_dir: str) -> dict | None:
         "kv_connector": engine.kv_connector,
         "kv_role": engine.kv_role,
         "engine_id": engine.instance_id,
-        # The address this engine's KV listener binds and its answers announce to the peer engine: its own host,
-        # not the 127.0.0.1 default, or a peer on another node would pull from (or push to) itself.
-        "kv_ip": engine.host,
     }
     if engine.kv_port is not None:
         config["kv_port"] = engine.kv_port
@@ -136,6 +135,9 @@ def kv_transfer_config(engine: EngineConfig, runtime_dir: str) -> dict | None:
     config["kv_connector_extra_config"] = extra
     return config
 
+
+#: Where vLLM's NixlConnector (and every simengine connector) binds the KV side channel and what it announces.
+KV_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 
 #: The variable that makes vLLM (and simengine) serve `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -255,6 +257,10 @@ def build_launch(
         argv += lora_args(engine)
         argv += engine.args
         env = _devices_env(engine, backend, index, len(ranks))
+        if engine.kv_connector == "NixlConnector" or (engine.kv_connector and engine.backend == "simengine"):
+            # The address this engine's KV listener binds and announces to the peer engine: its own host, not
+            # vLLM's `localhost` default, or a peer on another node would pull from (or push to) itself.
+            env[KV_HOST_ENV] = engine.host
         if engine.lora_enabled:
             env[RUNTIME_LORA_ENV] = "True"
         partition = (engine.kv_connector_extra_config.get("prefill") or {}).get("pp_layer_partition")

@@ -252,6 +252,23 @@ class EngineMetrics:
         self.callbacks_sent = counter(
             "simengine:metaserver_callbacks", "Metaserver callback POSTs sent (trigger mode)."
         )
+        self._counter, self._histogram = counter, histogram
+        self.nixl_failed_transfers: Counter | None = None
+        self.nixl_bytes_transferred: Histogram | None = None
+
+    def enable_nixl(self) -> None:
+        """Two of vLLM's NixlConnector series (its `NixlPromMetrics`, per engine like every series here), for an
+        engine running `NixlConnector`: the bytes of each KV pull that succeeded, `vllm:nixl_bytes_transferred`
+        (a histogram: its `_count` counts those pulls), and the pulls that failed, `vllm:nixl_num_failed_transfers`."""
+        if self.nixl_failed_transfers is None:
+            self.nixl_failed_transfers = self._counter(
+                "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers."
+            )
+            self.nixl_bytes_transferred = self._histogram(
+                "vllm:nixl_bytes_transferred",
+                "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                tuple(float(4**i) for i in range(5, 16)),
+            )
 
     def set_cache_config(self, cfg) -> None:
         """`vllm:cache_config_info`: vLLM's CacheConfig as labels of a constant 1 (labels `engine` + config)."""

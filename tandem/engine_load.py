@@ -32,6 +32,11 @@ class EngineLoad:
     active_adapters: frozenset[str] = frozenset()
     #: Adapter slots of the engine (vLLM's `--max-loras`; heartbeat `EngineLoad.max_loras`); 0: not reported.
     max_loras: int = 0
+    #: KV pulls of this (decode) engine, cumulative, summed over ranks; 0 when it does not pull over NIXL: those
+    #: that succeeded (vLLM's `vllm:nixl_bytes_transferred_count`) and those that failed
+    #: (`vllm:nixl_num_failed_transfers_total`).
+    kv_transfers: int = 0
+    kv_transfer_failures: int = 0
 
 
 def parse_load(text: str) -> EngineLoad:
@@ -73,6 +78,10 @@ def parse_load(text: str) -> EngineLoad:
         elif name == _HITS:
             rank = _rank(_label(labels, "engine"))
             load.prefix_hits[rank] = load.prefix_hits.get(rank, 0) + int(value)
+        elif name == _NIXL_FAILED:
+            load.kv_transfer_failures += int(value)
+        elif name == _NIXL_DONE:
+            load.kv_transfers += int(value)
         elif name == "vllm:num_requests_running":
             load.running += int(value)
         elif name == "vllm:num_requests_waiting":
@@ -91,10 +100,14 @@ def parse_load(text: str) -> EngineLoad:
 
 _COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 _HITS = "vllm:prefix_cache_hits_total"
+_NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
+_NIXL_DONE = "vllm:nixl_bytes_transferred_count"
 _WANTED = frozenset(
     {
         *_COUNTERS,
         _HITS,
+        _NIXL_FAILED,
+        _NIXL_DONE,
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",

@@ -27,6 +27,10 @@ there (each waits about the prefill's time once): the local choice wins for shor
 no second engine's step), prompts mostly cached on a decode instance, and when the prefill pool is saturated
 while a decode instance has slack.
 
+A pair whose KV transfer failed lately (its decode engine's failed-transfer counter rose, attributed to the pair by
+`coordinator.link_health`) comes after every other pair, and after serving locally, for `link_cooldown_s`: the
+decode engine recomputed that prompt, and a broken link would fail the next one too.
+
 LoRA: a request for an adapter needs it on both legs (the prefill engine computes the prompt's KV with it, the
 decode engine decodes with it). Each leg that does not hold the adapter (`EngineLoad.adapters`) adds
 `adapter_load_s` to the pair's TTFT (it loads it first), and `adapter_wait_s` instead when every one of its slots
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.latency import DEFAULT_PRIOR, StepCosts, tpot_s, ttft_s
+from coordinator.link_health import COOLDOWN_S, LinkHealth
 from coordinator.scheduling.interface import Candidate
 from coordinator.scheduling.lora_affinity import slots
 from coordinator.scheduling.params import parse_params
@@ -71,6 +76,9 @@ class Params:
     adapter_load_s: float = 0.25
     #: Seconds charged to a leg whose adapter slots are all busy (the request waits for one to drain).
     adapter_wait_s: float = 1.0
+    #: Seconds a pair blamed for a failed KV transfer is left out while another choice exists
+    #: (`coordinator.link_health`); 0: never left out.
+    link_cooldown_s: float = COOLDOWN_S
 
     def check(self) -> str | None:
         if self.top_k < 1:
@@ -79,6 +87,8 @@ class Params:
             return f"max_kv_usage: must be in (0, 1], got {self.max_kv_usage}"
         if self.kv_bytes_per_token < 1:
             return f"kv_bytes_per_token: must be >= 1, got {self.kv_bytes_per_token}"
+        if self.link_cooldown_s < 0:
+            return f"link_cooldown_s: must be >= 0, got {self.link_cooldown_s}"
         return None
 
 
@@ -134,6 +144,8 @@ class PdJoint:
         self.local = local
         self.clock = clock
         self.transfers = Transfers()
+        #: Pairs blamed for failed KV transfers (the decode engines' failure counters, attributed).
+        self.links = LinkHealth(cooldown_s=params.link_cooldown_s)
         #: Where a candidate sits (its registered node; the fleet simulator maps its own).
         self.node_of: Callable[[Candidate], str] = lambda c: c.state.info.node_id
 
@@ -205,19 +217,28 @@ class PdJoint:
                 d.instance_id,
             ),
         )[: p.top_k]
-        best: tuple[tuple[float, str, str], PairChoice] | None = None
+        now = self.clock()
+        for dc in ds:
+            self._observe(dc, now)
+        best: tuple[tuple[bool, float, str, str], PairChoice] | None = None
         for pc in ps:
             before = self.prefill_s(pc, isl) + self.adapter_s(pc, adapter)
             for dc in ds:
                 moved_s, tokens, cross = self.transfer(pc, dc, isl)
                 ttft = before + moved_s + self.first_step_s(dc, isl) + self.adapter_s(dc, adapter)
-                key = (ttft, pc.instance_id, dc.instance_id)
+                # A pair blamed for a failed transfer comes after every other choice.
+                key = (
+                    self.links.avoided(pc.instance_id, dc.instance_id, now),
+                    ttft,
+                    pc.instance_id,
+                    dc.instance_id,
+                )
                 if best is None or key < best[0]:
                     best = (key, PairChoice(pc, dc, ttft, moved_s, tokens, cross))
         if self.local or not ps:
             for dc in ds:
                 cost = self.local_s(dc, isl) + self.adapter_s(dc, adapter)
-                key = (cost, "", dc.instance_id)
+                key = (False, cost, "", dc.instance_id)
                 if best is None or key < best[0]:
                     best = (key, PairChoice(None, dc, cost, 0.0, 0, False))
         assert best is not None
@@ -228,18 +249,28 @@ class PdJoint:
         leg): the lowest `prefill(P) + transfer(P -> D)`; never local (the decode engine is already waiting)."""
         if not prefills:
             raise ValueError("prefill_for needs at least one prefill candidate")
-        best: tuple[tuple[float, str], PairChoice] | None = None
+        now = self.clock()
+        self._observe(decode, now)
+        best: tuple[tuple[bool, float, str], PairChoice] | None = None
         for pc in prefills:
             moved_s, tokens, cross = self.transfer(pc, decode, isl)
             ttft = self.prefill_s(pc, isl) + moved_s + self.first_step_s(decode, isl)
-            if best is None or (ttft, pc.instance_id) < best[0]:
-                best = ((ttft, pc.instance_id), PairChoice(pc, decode, ttft, moved_s, tokens, cross))
+            key = (self.links.avoided(pc.instance_id, decode.instance_id, now), ttft, pc.instance_id)
+            if best is None or key < best[0]:
+                best = (key, PairChoice(pc, decode, ttft, moved_s, tokens, cross))
         assert best is not None
         return best[1]
 
+    def _observe(self, d: Candidate, now: float) -> None:
+        load = d.state.load
+        self.links.observe(d.instance_id, load.kv_transfers, load.kv_transfer_failures, now)
+
     def sent(self, choice: PairChoice) -> None:
         """The pair's prefill leg is on its way: its transfer shares its link until it is predicted done."""
-        if choice.prefill is None or not choice.transfer_tokens:
+        if choice.prefill is None:
+            return
+        self.links.sent(choice.prefill.instance_id, choice.decode.instance_id, self.clock())
+        if not choice.transfer_tokens:
             return
         _, keys = self.topology.link(self.node_of(choice.prefill), self.node_of(choice.decode))
         self.transfers.start(keys, self.clock() + choice.ttft_s)

@@ -5,7 +5,9 @@ The prefill engine answers a request carrying `kv_transfer_params.do_remote_deco
 needs and keeps the blocks; the decode engine, given those facts, connects to `remote_host:remote_port` over TCP
 and pulls the blocks (a scaled-down payload sized from the block count), then the prefill side frees them (or
 after 120 s when nobody pulls). Invalid facts or a failed pull fall back to a local prefill, counted in
-`simengine:kv_transfer_fallbacks_total`. A prefill leg whose `kv_transfer_params` name the decode engine
+`simengine:kv_transfer_fallbacks_total`. Under `NixlConnector` a pull is also counted in vLLM's series: a
+successful one in `vllm:nixl_bytes_transferred` (histogram), a failed one in `vllm:nixl_num_failed_transfers_total`
+(the node agent relays both; the coordinator's P/D choice learns failing links from them). A prefill leg whose `kv_transfer_params` name the decode engine
 (`remote_host`: a trigger callback's facts, see trigger.py) pushes its KV there before answering.
 
 Wire of the KV listener (one TCP connection per transfer): a JSON header line, then `nbytes` raw bytes.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -66,10 +69,13 @@ class HandoffConnector(ConnectorBase):
         super().__init__(cfg, engine)
         #: The engine id the answers announce (`remote_engine_id`).
         self.engine_id = self.kt.engine_id or str(uuid.uuid4())
-        #: The address the answers announce and the listener binds (`kv_ip`).
-        self.host = self.kt.kv_ip
+        #: The address the answers announce and the listener binds: vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST` (its node
+        #: agent sets it to the engine's host), else `kv_ip` (older vLLM's field), else 127.0.0.1.
+        self.host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or self.kt.kv_ip
         #: vLLM-Ascend's Mooncake connectors answer a few more facts than vLLM's (see `finished_params`).
         self._mooncake_fields = (self.kt.kv_connector or "").startswith("Mooncake")
+        if self.kt.kv_connector == "NixlConnector":
+            self.metrics.enable_nixl()
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> None:
@@ -191,12 +197,16 @@ class HandoffConnector(ConnectorBase):
                     raise ConnectionError(reply.get("error", "pull refused"))
                 await asyncio.wait_for(reader.readexactly(reply["nbytes"]), timeout)
                 self._moved(params["remote_host"], reply["nbytes"])
+                if self.metrics.nixl_bytes_transferred is not None:
+                    self.metrics.nixl_bytes_transferred.observe(reply["nbytes"])
                 tokens = int(reply.get("num_tokens", req.num_prompt_tokens))
             finally:
                 writer.close()
             await self._arrive(req, tokens)
         except (OSError, ValueError, KeyError, TimeoutError, asyncio.IncompleteReadError) as e:
             log.warning("KV pull for %s failed (%s); computing the prompt locally", req.request_id, e)
+            if self.metrics.nixl_failed_transfers is not None:
+                self.metrics.nixl_failed_transfers.inc()  # as vLLM's NIXL connector counts a failed read
             self._fall_back(req)
 
     async def push(self, request: Request, params: dict) -> None:

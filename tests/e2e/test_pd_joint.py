@@ -207,10 +207,11 @@ def test_the_examples_name_both_nodes_on_loopback():
             assert re.match(re.escape(host) + r":\d+$", nodes[node]["listen"])
 
 
-def test_a_broken_link_falls_back_to_recompute_and_answers(tmp_path_factory):
-    """prefill-1's KV listener refuses every transfer (`--fault-kv-refuse`): a decode engine handed its KV recomputes
-    the prompt as vLLM does, and the answer is still the aggregated one. (The coordinator does not learn of the
-    failure and does not avoid the pair afterwards: docs/pd.md says what is missing.)"""
+def test_a_broken_link_falls_back_to_recompute_and_is_then_avoided(tmp_path_factory):
+    """prefill-1's KV listener refuses every transfer (`--fault-kv-refuse`): with prefill-0 drained, a decode engine
+    handed prefill-1's KV recomputes the prompt as vLLM does, and the answer is still the aggregated one; the decode
+    engines count the failed pulls (`vllm:nixl_num_failed_transfers_total`), their heartbeats carry the counts, and
+    once prefill-0 is back the coordinator leaves the failing pairs out: no further request goes to prefill-1."""
     mesh = RunningMesh(
         example_config("joint", {"prefill-1": ["--fault-kv-refuse"]}), tmp_path_factory.mktemp("broken")
     )
@@ -219,12 +220,17 @@ def test_a_broken_link_falls_back_to_recompute_and_answers(tmp_path_factory):
         wait_all_registered(mesh)
         mesh.admin().DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="prefill-0"), timeout=5)
         addresses = engines(mesh)
+        decodes = ("decode-0", "decode-1")
 
         def fallbacks() -> float:
-            return sum(
-                metric_sum(addresses[d][1], "simengine:kv_transfer_fallbacks_total")
-                for d in ("decode-0", "decode-1")
-            )
+            return sum(metric_sum(addresses[d][1], "simengine:kv_transfer_fallbacks_total") for d in decodes)
+
+        def failures_reported() -> int:
+            listed = mesh.admin().ListInstances(admin_pb2.ListInstancesRequest(), timeout=5).instances
+            return sum(i.load.kv_transfer_failures_total for i in listed if i.instance.instance_id in decodes)
+
+        def legs(prefill: str) -> float:
+            return metric_sum(addresses[prefill][1], "vllm:request_success_total")
 
         before = fallbacks()
         prompts = REQUESTS[:8]
@@ -236,11 +242,24 @@ def test_a_broken_link_falls_back_to_recompute_and_answers(tmp_path_factory):
             ).json()["choices"][0]["text"]
             for p in prompts
         ]
-        replies = [complete(mesh, p) for p in prompts]
-        assert [r.status_code for r in replies] == [200] * len(prompts)
-        assert [r.json()["choices"][0]["text"] for r in replies] == reference
-        assert fallbacks() - before == len(prompts)  # every pull failed and the prompt was computed again
-        legs = metric_sum(addresses["prefill-1"][1], "vllm:request_success_total")
-        assert legs == len(prompts)  # each prefill leg went to the broken prefill engine
+        replies = [complete(mesh, p) for p in prompts[:4]]
+        assert [r.status_code for r in replies] == [200] * 4
+        assert [r.json()["choices"][0]["text"] for r in replies] == reference[:4]
+        assert fallbacks() - before == 4  # every pull failed and the prompt was computed again
+        assert legs("prefill-1") == 4  # each prefill leg went to the broken prefill engine
+        failed = sum(metric_sum(addresses[d][1], "vllm:nixl_num_failed_transfers_total") for d in decodes)
+        assert failed == 4
+        mesh.wait_for(
+            lambda: failures_reported() == 4, 10, "the failed pulls in the decode instances' heartbeats"
+        )
+
+        mesh.admin().UndrainInstance(admin_pb2.UndrainInstanceRequest(instance_id="prefill-0"), timeout=5)
+        served_before = legs("prefill-0")
+        replies = [complete(mesh, p) for p in prompts[4:]]
+        assert [r.status_code for r in replies] == [200] * 4
+        assert [r.json()["choices"][0]["text"] for r in replies] == reference[4:]
+        assert legs("prefill-1") == 4  # the failing pairs were left out
+        assert legs("prefill-0") - served_before == 4
+        assert fallbacks() - before == 4  # no further recompute
     finally:
         mesh.stop()

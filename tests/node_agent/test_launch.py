@@ -62,7 +62,6 @@ def test_ascend_prefill_tp8_one_node():
         "kv_connector": "MooncakeConnectorV1",
         "kv_role": "kv_producer",
         "engine_id": "p0",
-        "kv_ip": "10.0.0.1",
         "kv_port": 36000,
         "kv_connector_extra_config": {
             "use_ascend_direct": True,
@@ -207,7 +206,6 @@ def test_layerwise_trigger_pair():
                 "kv_connector": "MooncakeLayerwiseConnector",
                 "kv_role": role,
                 "engine_id": e.instance_id,
-                "kv_ip": e.host,
                 "kv_port": e.kv_port,
                 "kv_connector_extra_config": extra,
             }
@@ -238,7 +236,6 @@ def test_cpu_vllm_example_connector_pair():
             "kv_connector": "ExampleConnector",
             "kv_role": role,
             "engine_id": e.instance_id,
-            "kv_ip": e.host,
             "kv_connector_extra_config": {"shared_storage_path": "/run/tandem/kv-shared"},
         }
         assert spec.env == {} and dispatch_capability(e) == common_pb2.DISPATCH_CAPABILITY_HANDOFF

@@ -108,3 +108,20 @@ def test_the_scanner_reads_what_prometheus_clients_parser_reads():
     for text in (METRICS, page, odd, ""):
         assert scanned(text) == reference_load(text), text[:200]
     assert scanned(odd)[:3] == (4, 7, 0.5)
+
+
+def test_a_nixl_decode_engines_transfers_from_simengines_page():
+    """vLLM's NixlConnector series as simengine exports them: pulls that succeeded (the bytes histogram's count)
+    and pulls that failed, summed over ranks."""
+    from prometheus_client import generate_latest
+
+    from simengine.metrics import EngineMetrics
+
+    m = EngineMetrics("m", engine="0")
+    assert parse_load(generate_latest(m.registry).decode()).kv_transfers == 0  # not a NIXL engine: absent
+    m.enable_nixl()
+    for nbytes in (4096, 1 << 20):
+        m.nixl_bytes_transferred.observe(nbytes)
+    m.nixl_failed_transfers.inc()
+    load = parse_load(generate_latest(m.registry).decode())
+    assert (load.kv_transfers, load.kv_transfer_failures) == (2, 1)

@@ -159,3 +159,30 @@ def test_both_legs_of_a_lora_request_are_chosen_with_the_adapter_in_mind():
     # A decode instance whose slots are all busy waits longer than one that loads it.
     full = [lora(d("d0"), ["a", "b"], active=["a", "b"]), lora(d("d1"), ["a"], active=["a"])]
     assert joint.choose(ISL, ps, full, adapter="sql").decode.instance_id == "d1"
+
+
+def transfers(c, ok: int, failed: int):
+    c.state.load.kv_transfers, c.state.load.kv_transfer_failures = ok, failed
+    return c
+
+
+def test_a_pair_whose_transfer_failed_comes_after_every_other_choice_for_the_cooldown():
+    now = [0.0]
+    joint = PdJoint(topology=Topology(), clock=lambda: now[0])
+    near, far = p("p-near", node="n1"), p("p-far", node="n2")
+    assert joint.choose(ISL, [near, far], [transfers(d("d0", node="n1"), 0, 0)]).prefill is near
+    joint.sent(joint.choose(ISL, [near, far], [transfers(d("d0", node="n1"), 0, 0)]))
+    now[0] = 1.0  # d0's pull from p-near failed: its heartbeat counts it, and d0 recomputed the prompt
+    choice = joint.choose(ISL, [near, far], [transfers(d("d0", node="n1"), 0, 1)])
+    assert choice.prefill is far  # across nodes, slower, but not the failing link
+    assert joint.prefill_for(ISL, [near, far], transfers(d("d0", node="n1"), 0, 1)).prefill is far
+    # Adaptive: serving on the decode instance alone beats the failing pair too.
+    adaptive = PdJoint(topology=Topology(), local=True, clock=lambda: now[0])
+    adaptive.links = joint.links
+    assert adaptive.choose(ISL, [near], [transfers(d("d0", node="n1"), 0, 1)]).prefill is None
+    # With nothing else, the failing pair is still used (the decode engine recomputes), and retried later.
+    assert joint.choose(ISL, [near], [transfers(d("d0", node="n1"), 0, 1)]).prefill is near
+    now[0] = 1.0 + joint.params.link_cooldown_s + 0.1
+    assert joint.choose(ISL, [near, far], [transfers(d("d0", node="n1"), 0, 1)]).prefill is near
+    with pytest.raises(ValueError, match="link_cooldown_s"):
+        create({"link_cooldown_s": -1})
