@@ -375,15 +375,20 @@ class EndpointPicker:
     async def _decide_pair(
         self, request: OpenAIRequest, request_id: str, mode: PdMode, decodes: list[InstanceState]
     ) -> Pick:
-        """The joint choice: the pair by predicted TTFT (the prefill leg is committed when it is sent), or under
-        `adaptive` the decode instance alone, served as an aggregated request (no `kv_transfer_params`)."""
+        """The joint choice: the prefill instance by the configured policy and the decode instance for it by
+        predicted TTFT (the prefill leg is committed when it is sent), or under `adaptive` the decode instance alone,
+        served as an aggregated request (no `kv_transfer_params`)."""
         assert self.pair is not None
         isl, out = request.prompt_tokens, request.max_tokens
         prefills = self._routable(request.model, "prefill", request.adapter)
         matches, hashes = await self._matches(self.pair, request_id, request, [*prefills, *decodes])
         p_cands, d_cands = self._candidates(prefills, matches), self._candidates(decodes, matches)
+        facts = RequestFacts(request_id, request.model, isl, out, hashes, request.adapter)
         with tracing.span("tandem.score", attributes={"tandem.policy": "pd_joint"}) as current:
-            choice = self.pair.choose(isl, p_cands, d_cands)
+            # The prefill instance is the configured policy's pick; the decode instance is chosen for it.
+            choice = self.pair.choose(
+                isl, p_cands, d_cands, prefill_pick=lambda cands: self.policy.pick(facts, cands)
+            )
             if current is not None:
                 attributes = candidate_attributes(p_cands, choice.prefill, isl)
                 attributes.update(candidate_attributes(d_cands, choice.decode, isl))

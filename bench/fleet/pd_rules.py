@@ -309,8 +309,9 @@ class AIBrix:
 
 class TandemJoint:
     """`tandem_joint`: Tandem's joint choice (`coordinator.scheduling.pd_joint`, `scheduler.pd_choice: joint`, its
-    defaults): the (prefill, decode) pair with the lowest predicted TTFT, the KV transfer over the simulated
-    topology's links included; at a trigger callback, the best prefill instance for the decode instance waiting.
+    defaults): the prefill instance by `kv_affinity` (its defaults, as the coordinator passes its configured policy)
+    and the decode instance for it with the lowest predicted TTFT, the KV transfer over the simulated topology's
+    links included; at a trigger callback, the best prefill instance for the decode instance waiting.
     Step costs are the coordinator's prior (Llama-3.1-8B on a 910B, as the simulated engines' profile), the links
     the simulator's defaults (`bench.fleet.links.Topology`)."""
 
@@ -325,6 +326,7 @@ class TandemJoint:
             nic=Link(sim.nic_bandwidth, sim.nic_latency_s),
         )
         self._now = 0.0
+        self.policy = create_policy("kv_affinity", None)  # the prefill instance's (the mesh's default policy)
         self.pair = PdJoint(topology=JointTopology(default=links), local=self.local, clock=lambda: self._now)
         self._node: Mapping[str, int] = {}
         self.pair.node_of = lambda c: f"n{self._node[c.instance_id]}"
@@ -334,7 +336,12 @@ class TandemJoint:
         if view.decode_fixed is not None:
             choice = self.pair.prefill_for(request.isl, view.prefill, _by_id(view.decode, view.decode_fixed))
         else:
-            choice = self.pair.choose(request.isl, view.prefill, view.decode)
+            choice = self.pair.choose(
+                request.isl,
+                view.prefill,
+                view.decode,
+                prefill_pick=lambda cands: self.policy.pick(request, cands),
+            )
         if choice.prefill is None:
             return PdChoice(choice.decode.instance_id)
         self.pair.sent(choice)

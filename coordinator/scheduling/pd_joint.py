@@ -13,9 +13,14 @@ For a pair (P, D), with the learned step costs of each (`coordinator.latency`; t
 - `first_step(D)`: one decode step of D's batch with this request added (`latency.tpot_s`).
 
 A decode instance whose KV cache is fuller than `max_kv_usage` (its engine's `vllm:kv_cache_usage_perc`) cannot
-take the request and is not a candidate (unless every one is that full: then the least full ones are). To keep the
-decision cheap, only the `top_k` prefill instances by `prefill(P)` and the `top_k` decode instances by
-`first_step(D)` plus the transfer they would need from the fastest link are paired: at most `top_k`^2 pairs.
+take the request and is not a candidate (unless every one is that full: then the least full ones are).
+
+The coordinator passes its configured policy's pick as `prefill_pick`: P is the instance that policy chooses
+(`kv_affinity`'s cache ownership and replication rules keep prefixes where they live; a greedy `prefill(P)`
+replicates them and lost half the hit rate's worth of TTFT in the fleet simulator, docs/pd.md), and D is the decode
+instance with the lowest `transfer(P -> D) + first_step(D)`. Without it (the pure search, kept for a caller with no
+policy), only the `top_k` prefill instances by `prefill(P)` and the `top_k` decode instances by `first_step(D)` plus
+the transfer they would need from the fastest link are paired: at most `top_k`^2 pairs.
 
 With `local` (the adaptive form, `scheduler.pd_choice: adaptive`), serving the request on a decode instance alone (no transfer, vLLM decodes
 a request that comes without `kv_transfer_params` itself) is a candidate too, at
@@ -195,31 +200,43 @@ class PdJoint:
         return self.params.adapter_wait_s if view.blocked else self.params.adapter_load_s
 
     def choose(
-        self, isl: int, prefills: Sequence[Candidate], decodes: Sequence[Candidate], adapter: str = ""
+        self,
+        isl: int,
+        prefills: Sequence[Candidate],
+        decodes: Sequence[Candidate],
+        adapter: str = "",
+        prefill_pick: Callable[[Sequence[Candidate]], Candidate] | None = None,
     ) -> PairChoice:
         """The pair (or, with `local`, the lone decode instance) with the lowest predicted TTFT; ties go to the
         instance ids in order. At least one decode candidate is required; without prefill candidates the request
-        is served locally. `adapter`: the LoRA adapter both legs need ("" for the base model)."""
+        is served locally. `adapter`: the LoRA adapter both legs need ("" for the base model). `prefill_pick`: the
+        prefill instance is this pick among the prefill candidates (the configured policy's, as the coordinator
+        passes it), leaving out one whose links to every decode candidate failed lately; the decode instance is then
+        chosen for it among all decode candidates. Without it, the `top_k` of each side are paired."""
         if not decodes:
             raise ValueError("choose needs at least one decode candidate")
         p = self.params
         pool = self.decode_pool(decodes)
-        fastest = min((self.topology.of(self.node_of(d)).intra.bandwidth for d in pool), default=math.inf)
-        ps = sorted(
-            prefills, key=lambda c: (self.prefill_s(c, isl) + self.adapter_s(c, adapter), c.instance_id)
-        )[: p.top_k]
-        ds = sorted(
-            pool,
-            key=lambda d: (
-                self.first_step_s(d, isl)
-                + _uncached(d, isl) * p.kv_bytes_per_token / fastest
-                + self.adapter_s(d, adapter),
-                d.instance_id,
-            ),
-        )[: p.top_k]
         now = self.clock()
-        for dc in ds:
+        for dc in pool:
             self._observe(dc, now)
+        if prefill_pick is not None:
+            ps = [prefill_pick(self._linked(prefills, pool, now))] if prefills else []
+            ds = pool
+        else:
+            fastest = min((self.topology.of(self.node_of(d)).intra.bandwidth for d in pool), default=math.inf)
+            ps = sorted(
+                prefills, key=lambda c: (self.prefill_s(c, isl) + self.adapter_s(c, adapter), c.instance_id)
+            )[: p.top_k]
+            ds = sorted(
+                pool,
+                key=lambda d: (
+                    self.first_step_s(d, isl)
+                    + _uncached(d, isl) * p.kv_bytes_per_token / fastest
+                    + self.adapter_s(d, adapter),
+                    d.instance_id,
+                ),
+            )[: p.top_k]
         best: tuple[tuple[bool, float, str, str], PairChoice] | None = None
         for pc in ps:
             before = self.prefill_s(pc, isl) + self.adapter_s(pc, adapter)
@@ -260,6 +277,18 @@ class PdJoint:
                 best = (key, PairChoice(pc, decode, ttft, moved_s, tokens, cross))
         assert best is not None
         return best[1]
+
+    def _linked(
+        self, prefills: Sequence[Candidate], decodes: Sequence[Candidate], now: float
+    ) -> list[Candidate]:
+        """The prefill candidates with a link to some decode candidate not blamed for a failed transfer (all of
+        them when none has)."""
+        ok = [
+            c
+            for c in prefills
+            if not all(self.links.avoided(c.instance_id, d.instance_id, now) for d in decodes)
+        ]
+        return ok or list(prefills)
 
     def _observe(self, d: Candidate, now: float) -> None:
         load = d.state.load

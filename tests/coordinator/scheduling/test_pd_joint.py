@@ -186,3 +186,48 @@ def test_a_pair_whose_transfer_failed_comes_after_every_other_choice_for_the_coo
     assert joint.choose(ISL, [near, far], [transfers(d("d0", node="n1"), 0, 1)]).prefill is near
     with pytest.raises(ValueError, match="link_cooldown_s"):
         create({"link_cooldown_s": -1})
+
+
+def test_with_the_policys_prefill_pick_the_decode_instance_is_chosen_for_it():
+    joint = create()
+    by_policy = p("p-owner", node="n2")  # say the policy keeps the prefix where it lives, on n2
+    picked: list[list[str]] = []
+
+    def pick(cands):
+        picked.append([c.instance_id for c in cands])
+        return next(c for c in cands if c.instance_id == "p-owner")
+
+    choice = joint.choose(
+        ISL,
+        [p("p-idle", node="n1"), by_policy],
+        [d("d-n1", node="n1"), d("d-n2", node="n2")],
+        prefill_pick=pick,
+    )
+    assert (choice.prefill.instance_id, choice.decode.instance_id, choice.cross_node) == (
+        "p-owner",
+        "d-n2",
+        False,
+    )
+    assert picked == [["p-idle", "p-owner"]]
+
+
+def test_the_policy_is_not_offered_a_prefill_instance_whose_every_link_failed():
+    now = [0.0]
+    joint = PdJoint(topology=Topology(), clock=lambda: now[0])
+    for decode in ("d0", "d1"):
+        joint.links.observe(decode, 0, 0, now=0.0)
+        joint.links.sent("p-broken", decode, now=0.0)
+        joint.links.observe(decode, 0, 1, now=0.5)
+    offered: list[list[str]] = []
+
+    def pick(cands):
+        offered.append([c.instance_id for c in cands])
+        return cands[0]
+
+    decodes = [transfers(d("d0"), 0, 1), transfers(d("d1"), 0, 1)]
+    assert (
+        joint.choose(ISL, [p("p-broken"), p("p-ok")], decodes, prefill_pick=pick).prefill.instance_id
+        == "p-ok"
+    )
+    assert joint.choose(ISL, [p("p-broken")], decodes, prefill_pick=pick).prefill.instance_id == "p-broken"
+    assert offered == [["p-ok"], ["p-broken"]]  # with nothing else, the failing one is still used
