@@ -44,8 +44,6 @@ class LinkHealth:
     seen: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: (prefill, decode) -> until when the pair is avoided.
     blamed: dict[tuple[str, str], float] = field(default_factory=dict)
-    #: Times each (prefill, decode) pair was newly blamed since the coordinator started.
-    failures: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def sent(self, prefill: str, decode: str, now: float) -> None:
         """A prefill leg went to `prefill` whose KV `decode` will pull."""
@@ -75,8 +73,6 @@ class LinkHealth:
             if self.blamed.get(pair, 0.0) <= now:
                 newly.append(pair)
             self.blamed[pair] = now + self.cooldown_s
-        for pair in newly:
-            self.failures[pair] = self.failures.get(pair, 0) + 1
         return newly
 
     def avoided(self, prefill: str, decode: str, now: float) -> bool:

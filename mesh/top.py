@@ -139,9 +139,8 @@ def _instances_table(history: History, now: Sample) -> Table:
         wall = time.time()
         beat = status.last_heartbeat_at.ToSeconds()
         age = f"{max(0.0, wall - beat):.1f}s" if beat else "-"
-        registered = (
-            status.registered_at.ToSeconds()
-        )  # a restarted engine registers again: its UP starts over
+        # A restarted engine registers again: its UP starts over.
+        registered = status.registered_at.ToSeconds()
         table.add_row(
             iid, status.instance.model, _role(status), status.instance.node_id, Text(health, style=style),
             str(load.running_requests), str(load.waiting_requests), f"{100 * load.kv_cache_usage:.0f}",

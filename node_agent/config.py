@@ -408,7 +408,8 @@ class NodeAgentConfig(BaseModel):
     `probe_interval_s + probe_timeout_s`."""
     liveness_timeout_s: float | None = Field(default=3.0, gt=0)
     """A running engine that has answered no health probe for this long, nor two in a row (the first probe after the
-    agent itself was frozen fails on its own account), is killed (SIGKILL: a frozen process takes no SIGTERM) and restarted like a crash: its connections close, so the requests on it end at once (an error, or
+    agent itself was frozen fails on its own account), is killed (SIGKILL: a frozen process takes no SIGTERM) and
+    restarted like a crash: its connections close, so the requests on it end at once (an error, or
     Envoy's retry on another engine, before the first byte; a cut stream after it) instead of hanging until it
     thaws. Liveness, not a request timeout: long prefills and queued requests keep running on an engine that
     answers `/health`. Raise it for engines whose health endpoint can stall under load; null: never killed (a hung

@@ -16,8 +16,8 @@ A decode instance whose KV cache is fuller than `max_kv_usage` (its engine's `vl
 take the request and is not a candidate (unless every one is that full: then the least full ones are).
 
 The coordinator passes its configured policy's pick as `prefill_pick`: P is the instance that policy chooses
-(`kv_affinity`'s cache ownership and replication rules keep prefixes where they live; a greedy `prefill(P)`
-replicates them and lost half the hit rate's worth of TTFT in the fleet simulator, docs/pd.md), and D is the decode
+(`kv_affinity`'s cache ownership and replication rules keep prefixes where they live; a greedy `prefill(P)` copies
+them to idle instances and lost 2x in mean TTFT at 90% load in the fleet simulator, docs/pd.md), and D is the decode
 instance with the lowest `transfer(P -> D) + first_step(D)`. Without it (the pure search, kept for a caller with no
 policy), only the `top_k` prefill instances by `prefill(P)` and the `top_k` decode instances by `first_step(D)` plus
 the transfer they would need from the fastest link are paired: at most `top_k`^2 pairs.

@@ -7,8 +7,9 @@ and pulls the blocks (a scaled-down payload sized from the block count), then th
 after 120 s when nobody pulls). Invalid facts or a failed pull fall back to a local prefill, counted in
 `simengine:kv_transfer_fallbacks_total`. Under `NixlConnector` a pull is also counted in vLLM's series: a
 successful one in `vllm:nixl_bytes_transferred` (histogram), a failed one in `vllm:nixl_num_failed_transfers_total`
-(the node agent relays both; the coordinator's P/D choice learns failing links from them). A prefill leg whose `kv_transfer_params` name the decode engine
-(`remote_host`: a trigger callback's facts, see trigger.py) pushes its KV there before answering.
+(the node agent relays both; the coordinator's P/D choice learns failing links from them). A prefill leg whose
+`kv_transfer_params` name the decode engine (`remote_host`: a trigger callback's facts, see trigger.py) pushes its
+KV there before answering.
 
 Wire of the KV listener (one TCP connection per transfer): a JSON header line, then `nbytes` raw bytes.
 `{"op":"pull","remote_request_id":..}` -> `{"ok":true,"num_tokens":N,"nbytes":B}\\n` + B bytes;
