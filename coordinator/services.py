@@ -244,14 +244,20 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         self._probes[iid] = asyncio.create_task(self._probe(state), name=f"probe-{iid}")
 
     async def _probe(self, state: InstanceState) -> None:
-        """Probes until the instance answers (then it is routable) or leaves the table (then the loop ends). A
-        re-registered instance kept routable that does not answer is unroutable until it does."""
+        """Probes until the instance answers (then it is routable) or leaves the table (then the loop ends), following
+        its table entry if it is replaced. A re-registered instance kept routable that does not answer is unroutable
+        until it does."""
         assert self.prober is not None
         iid = state.info.instance_id
         try:
-            while self.instances.get(iid) is state:
+            while (current := self.instances.get(iid)) is not None:
+                # Replaced in the table meanwhile (with replicas, another replica's registration of the same instance,
+                # applied from etcd): probe the entry now in the table, or it would stay unverified here for good.
+                state = current
                 answered = await self.prober.answers(state.info.address)
-                if self.instances.get(iid) is not state or (answered and state.verified):
+                if self.instances.get(iid) is not state:
+                    continue
+                if answered and state.verified:
                     return
                 if answered:
                     state.verified = True

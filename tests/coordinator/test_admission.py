@@ -5,6 +5,7 @@ as an agent of a given node, without a server."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import grpc
 import pytest
@@ -180,6 +181,21 @@ async def test_re_registering_the_same_engine_keeps_it_routable():
             assert service.instances.get("sim-0").routable
             await register(service, "n1", "sim-0", "127.0.0.1:9")  # a new address is probed again
             assert not service.instances.get("sim-0").routable
+    finally:
+        await service.close()
+
+
+async def test_an_entry_replaced_by_another_replicas_registration_is_probed_until_it_answers():
+    """With replicas, another replica's registration of the same instance arrives from etcd and replaces this
+    replica's table entry while its probe runs (the chaos test's 'kill an engine' saw one replica keep a restarted
+    engine unverified for good): the probe follows the entry in the table."""
+    service = registry()
+    try:
+        await register(service, "n1", "sim-0", "127.0.0.1:9")  # nothing answers yet: probing
+        async with health_server() as engine:
+            info = dataclasses.replace(service.instances.get("sim-0").info, address=engine)
+            service.instances.register(info, verified=False)  # as `shared_state.apply_change` does
+            await eventually(lambda: service.instances.get("sim-0").routable, 5, "the replaced entry probed")
     finally:
         await service.close()
 
