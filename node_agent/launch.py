@@ -108,8 +108,8 @@ def _json(value: object) -> str:
 def kv_transfer_config(engine: EngineConfig, runtime_dir: str) -> dict | None:
     """`--kv-transfer-config`: connector, `kv_role` from the role, `engine_id` from the instance id, merged extras
     (the engine's own `kv_transfer_config` keys win). The KV listener's address is not here: vLLM takes it from
-    `VLLM_NIXL_SIDE_CHANNEL_HOST` (`KV_HOST_ENV`, set by `build_launch`), and its `KVTransferConfig` rejects keys it
-    does not know (vLLM 0.32 has no `kv_ip`)."""
+    `VLLM_NIXL_SIDE_CHANNEL_HOST` (the backend's `kv_host_env`, set by `build_launch`), and its `KVTransferConfig`
+    rejects keys it does not know (vLLM 0.32 has no `kv_ip`)."""
     if not engine.kv_connector:
         return None
     extra = copy.deepcopy(engine.kv_connector_extra_config)
@@ -135,9 +135,6 @@ def kv_transfer_config(engine: EngineConfig, runtime_dir: str) -> dict | None:
     config["kv_connector_extra_config"] = extra
     return config
 
-
-#: Where vLLM's NixlConnector (and every simengine connector) binds the KV side channel and what it announces.
-KV_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 
 #: The variable that makes vLLM (and simengine) serve `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -257,10 +254,7 @@ def build_launch(
         argv += lora_args(engine)
         argv += engine.args
         env = _devices_env(engine, backend, index, len(ranks))
-        if engine.kv_connector == "NixlConnector" or (engine.kv_connector and engine.backend == "simengine"):
-            # The address this engine's KV listener binds and announces to the peer engine: its own host, not
-            # vLLM's `localhost` default, or a peer on another node would pull from (or push to) itself.
-            env[KV_HOST_ENV] = engine.host
+        env.update(backend.kv_host_env(engine))
         if engine.lora_enabled:
             env[RUNTIME_LORA_ENV] = "True"
         partition = (engine.kv_connector_extra_config.get("prefill") or {}).get("pp_layer_partition")

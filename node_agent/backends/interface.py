@@ -33,6 +33,10 @@ class ProcessLayout:
     master_addr: str | None  # the first node of a DP rank spanning nodes (None on one node)
 
 
+#: Where vLLM's NixlConnector (and every simengine connector) binds its KV side channel and what it announces.
+KV_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+
+
 class Backend(Protocol):
     """An engine the agent can launch (`backend:` in an engine's config)."""
 
@@ -62,6 +66,12 @@ class Backend(Protocol):
 
     def devices_env(self, devices: Sequence[int]) -> dict[str, str]:
         """The environment that makes `devices` (this process's accelerator ids, in order) the visible ones."""
+        ...
+
+    def kv_host_env(self, engine: EngineConfig) -> dict[str, str]:
+        """The environment that makes the engine's KV listener bind and announce its own `host` (not a `localhost`
+        default, or a peer on another node would pull from, or push to, itself); empty when its connector takes
+        the address elsewhere."""
         ...
 
     def read_load(self, metrics: str) -> EngineLoad:

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from node_agent.backends.interface import ProcessLayout
+from node_agent.backends.interface import KV_HOST_ENV, ProcessLayout
 from tandem.engine_load import EngineLoad, parse_load
 
 if TYPE_CHECKING:
@@ -53,6 +53,10 @@ class SimengineBackend:
     def devices_env(self, devices: Sequence[int]) -> dict[str, str]:
         """No accelerators: nothing to make visible."""
         return {}
+
+    def kv_host_env(self, engine: EngineConfig) -> dict[str, str]:
+        """Every simengine connector's KV listener takes its host from vLLM's NIXL variable."""
+        return {KV_HOST_ENV: engine.host} if engine.kv_connector else {}
 
     def read_load(self, metrics: str) -> EngineLoad:
         """simengine publishes vLLM's metric names."""

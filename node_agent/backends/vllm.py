@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from node_agent.backends.interface import ProcessLayout
+from node_agent.backends.interface import KV_HOST_ENV, ProcessLayout
 from tandem.engine_load import EngineLoad, parse_load
 
 if TYPE_CHECKING:
@@ -74,6 +74,11 @@ class VllmBackend:
 
     def devices_env(self, devices: Sequence[int]) -> dict[str, str]:
         return {self.devices_variable: ",".join(str(d) for d in devices)}
+
+    def kv_host_env(self, engine: EngineConfig) -> dict[str, str]:
+        """vLLM's NixlConnector reads its side channel's host from the environment (`KVTransferConfig` has no
+        `kv_ip` in vLLM 0.32 and rejects it)."""
+        return {KV_HOST_ENV: engine.host} if engine.kv_connector == "NixlConnector" else {}
 
     def read_load(self, metrics: str) -> EngineLoad:
         return parse_load(metrics)

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from simengine.connectors.base import ConnectorBase
 
+#: vLLM's variable for the host its NixlConnector binds and announces (`envs.VLLM_NIXL_SIDE_CHANNEL_HOST`).
+KV_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+
 if TYPE_CHECKING:
     from simengine.config import EngineConfig
     from simengine.engine import Engine
@@ -72,7 +75,7 @@ class HandoffConnector(ConnectorBase):
         self.engine_id = self.kt.engine_id or str(uuid.uuid4())
         #: The address the answers announce and the listener binds: vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST` (its node
         #: agent sets it to the engine's host), else `kv_ip` (older vLLM's field), else 127.0.0.1.
-        self.host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or self.kt.kv_ip
+        self.host = os.environ.get(KV_HOST_ENV) or self.kt.kv_ip
         #: vLLM-Ascend's Mooncake connectors answer a few more facts than vLLM's (see `finished_params`).
         self._mooncake_fields = (self.kt.kv_connector or "").startswith("Mooncake")
         if self.kt.kv_connector == "NixlConnector":

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from node_agent.backends.interface import ProcessLayout
+from node_agent.backends.interface import KV_HOST_ENV, ProcessLayout
 from tandem.engine_load import EngineLoad, parse_load
 
 if TYPE_CHECKING:
@@ -49,6 +49,9 @@ class FastSimBackend:
 
     def devices_env(self, devices: Sequence[int]) -> dict[str, str]:
         return {"SIM_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
+
+    def kv_host_env(self, engine: EngineConfig) -> dict[str, str]:
+        return {KV_HOST_ENV: engine.host} if engine.kv_connector else {}
 
     def read_load(self, metrics: str) -> EngineLoad:
         return parse_load(metrics)
