@@ -184,6 +184,7 @@ def build(mesh: MeshView, tls: TlsFiles | None = None) -> Coordinator:
         latency=picker.latency,
         demand=demand,
     )
+    decider.end_lag_s = mesh.request_end_lag_s
     if config.relearn_s > 0:  # a (re)started coordinator waits for the agents' registrations rather than 503
         decider.relearn = RelearnWindow(config.relearn_s)
         registry.on_registered = decider.relearn.registered

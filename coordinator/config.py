@@ -578,6 +578,11 @@ class MeshView(Protocol):
         ...
 
     @property
+    def request_end_lag_s(self) -> float:
+        """How late a request's end can reach the coordinator after its client got the answer."""
+        ...
+
+    @property
     def metaserver_url(self) -> str:
         """The callback URL decode engines get in trigger mode."""
         ...

@@ -14,6 +14,7 @@ of the small ones behind it. Smaller bodies are decided inline, which costs no i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from coordinator.quotas import Admission, Quotas, RateLimited, output_bound
 from coordinator.relearn import RelearnWindow
 from coordinator.request_ids import client_request_id, log_id, mint_request_id
 from coordinator.routing_quality import prediction_of
-from coordinator.tenants import ENGINE_PRIORITY, TenantTable, resolve_tier
+from coordinator.tenants import ENGINE_PRIORITY, TenantSpec, TenantTable, resolve_tier
 from coordinator.tickets import ABORTED, Ticket, TicketTable
 from coordinator.trigger import TriggerCoordinator
 from coordinator.understand_pool import UnderstandPool
@@ -162,6 +163,12 @@ class Decider:
         self.engine_priority = engine_priority
         #: The tenants' quota state (per replica).
         self.quotas = Quotas()
+        #: How late a request's end reaches this coordinator after its client got the answer (Envoy's access-log
+        #: flush interval plus delivery, `MeshConfig.request_end_lag_s`): a tenant's request that finds all its
+        #: requests in flight first waits this long for one to end, so that a client sending its next request as
+        #: soon as it has the answer is not refused for the one that just ended.
+        self.end_lag_s = 0.0
+        self._ended = asyncio.Event()  # set, and replaced, whenever a tenant's request ends
         self.handoff = handoff
         self.trigger = trigger
         self.tickets = tickets
@@ -289,6 +296,7 @@ class Decider:
             if tenant is not None:  # 429 past its quota, before any work is committed
                 try:
                     with tracing.span("tandem.admission", attributes={"tandem.tenant": tenant.name}):
+                        await self._wait_for_a_place(tenant)
                         admission = self.quotas.admit(tenant, request.prompt_tokens, request.max_tokens)
                 except RateLimited:
                     self.counters.tier(tenant.name, tier)[1] += 1
@@ -412,6 +420,15 @@ class Decider:
 
         ticket.on_release = release
 
+    async def _wait_for_a_place(self, tenant: TenantSpec) -> None:
+        """Waits up to `end_lag_s` while `tenant`'s requests in flight are at its limit (see `end_lag_s`)."""
+        deadline = time.monotonic() + self.end_lag_s
+        while self.quotas.full(tenant) and (left := deadline - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(self._ended.wait(), left)
+            except TimeoutError:
+                return
+
     def _settle_on_release(self, admission: Admission, stream: bool, max_tokens: int):
         """The ticket's release hook: the request ended, however; its quota is settled (see `Quotas.settle`)."""
         quotas = self.quotas
@@ -423,5 +440,7 @@ class Decider:
                 quotas.settle(admission, output_bound(ticket.response_bytes, stream, max_tokens))
             else:  # expired or reconciled: its output is unknown, no correction
                 quotas.settle(admission)
+            ended, self._ended = self._ended, asyncio.Event()
+            ended.set()
 
         return settle

@@ -218,6 +218,11 @@ class Quotas:
         usage = self.usage.get(tenant)
         return usage.in_flight if usage is not None else 0
 
+    def full(self, spec: TenantSpec) -> bool:
+        """Whether `spec`'s requests in flight (here and on the other replicas) are at its `max_concurrency`."""
+        limit = spec.max_concurrency
+        return limit is not None and self.in_flight(spec.name) + self.peers_in_flight(spec.name) >= limit
+
     def admit(self, spec: TenantSpec, prompt_tokens: int, max_tokens: int) -> Admission:
         """Takes one request and `prompt_tokens + max_tokens` tokens from `spec`'s quota; RateLimited (429) when
         a limit binds (nothing is taken then)."""
@@ -251,10 +256,7 @@ class Quotas:
                     f"Requested {tokens}."
                 )
             waits.append((wait, "tokens", message))
-        if (
-            spec.max_concurrency is not None
-            and usage.in_flight + self.peers_in_flight(name) >= spec.max_concurrency
-        ):
+        if self.full(spec):
             waits.append(
                 (
                     CONCURRENCY_RETRY_S,

@@ -22,6 +22,10 @@ from tandem.tracing_config import TracingConfig
 
 __all__ = ["ConfigError", "MeshConfig", "load_mesh_config", "parse_mesh_config"]
 
+#: The longest an access-log entry takes from Envoy's flush to the coordinator's ticket table (the gRPC stream's
+#: trip and the coordinator's turn on a busy host), on top of the flush interval.
+ACCESS_LOG_TRIP_S = 0.1
+
 
 class EnvoyConfig(BaseModel):
     """Where Envoy listens. Loopback by default: a mesh binds no public address unless told to."""
@@ -324,6 +328,12 @@ class MeshConfig(BaseModel):
         `envoy.ext_proc_timeout_ms`, plus the admission queue's longest TTL when it is on
         (`coordinator.flow_control`), so that Envoy never cuts a decision still waiting in the queue."""
         return self.envoy.ext_proc_timeout_ms / 1000 + self.coordinator.flow_control.max_wait_s
+
+    @property
+    def request_end_lag_s(self) -> float:
+        """How late the coordinator can hear of a request's end after its client got the answer: Envoy's access
+        log flush interval (`envoy.access_log_flush_ms`) plus the entry's trip (`ACCESS_LOG_TRIP_S`)."""
+        return self.envoy.access_log_flush_ms / 1000 + ACCESS_LOG_TRIP_S
 
     @property
     def metaserver_url(self) -> str:

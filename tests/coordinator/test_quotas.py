@@ -1,7 +1,9 @@
 """Tenant quotas: the token buckets (coordinator/quotas.py, on a fake clock), and the decision applying them on
 both transports, with the quota settled on every way a request ends (no Envoy)."""
 
+import asyncio
 import json
+import time
 
 import pytest
 from envoy.service.auth.v3 import attribute_context_pb2 as ac
@@ -304,3 +306,29 @@ async def test_counters_per_tier_and_tenant_in_prometheus_and_get_stats():
     assert (
         'tandem_coordinator_tenant_inflight_requests{tenant="gold"} 0.0' in generate_latest(registry).decode()
     )
+
+
+async def test_a_request_at_the_concurrency_limit_waits_for_an_end_still_on_its_way():
+    """Envoy reports a request's end up to its access-log flush later than the client sees it: a client that sends
+    its next request at once finds the last one still counted. The decision waits up to `end_lag_s` for an end;
+    past it (or with no lag configured), 429 as before."""
+    decider = decider_with([tenant(max_concurrency=1)])
+    decider.end_lag_s = 2.0
+    (reply,) = await process(decider, body_message(COMPLETION, authorization="Bearer k-t"))
+    ticket_id = decision_metadata(reply)["ticket"]
+    loop = asyncio.get_running_loop()
+    loop.call_later(
+        0.05, decider.tickets.end, ticket_id, "completed", 12
+    )  # the access log's entry, 50 ms late
+    began = time.monotonic()
+    (second,) = await process(decider, body_message(COMPLETION, authorization="Bearer k-t"))
+    assert second.HasField("request_body") and 0.04 < time.monotonic() - began < 1.0
+    decider.end_lag_s = 0.2  # the second one never ends: refused once the lag has passed
+    began = time.monotonic()
+    (third,) = await process(decider, body_message(COMPLETION, authorization="Bearer k-t"))
+    assert third.immediate_response.status.code == 429 and 0.19 < time.monotonic() - began < 1.0
+    assert decider.quotas.counters.limited["t"] == 1 and decider.quotas.in_flight("t") == 1
+    decider.end_lag_s = 0.0
+    began = time.monotonic()
+    (fourth,) = await process(decider, body_message(COMPLETION, authorization="Bearer k-t"))
+    assert fourth.immediate_response.status.code == 429 and time.monotonic() - began < 0.1

@@ -159,9 +159,10 @@ def send(engine: Engine, case: Case) -> Answer:
 
 #: Maps keyed by data (token text or id), compared as "any key -> one value shape": logprobs' top alternatives.
 DATA_KEYED = (".logprobs.top_logprobs[]", "prompt_logprobs[]")
-#: Lists with one entry per token (the logprobs' alternatives of each token): reduced to their distinct entry shapes,
-#: like lists of scalars, since how many tokens one stream chunk carries follows timing (a busy vLLM sends two).
-PER_TOKEN = (".logprobs.top_logprobs",)
+#: Lists with one entry per token (a completion's logprobs alternatives per token, a chat answer's logprobs per token):
+#: reduced to their distinct entry shapes, like lists of scalars, since how many tokens one stream chunk carries
+#: follows timing (a busy vLLM sends two).
+PER_TOKEN = (".logprobs.top_logprobs", ".logprobs.content")
 #: Shape of an empty list of scalars: matches a list of any scalar type.
 EMPTY = "list of nothing"
 

@@ -276,3 +276,10 @@ def test_a_chunk_carrying_two_tokens_has_the_shape_of_one_carrying_one():
     one = {"choices": [{"logprobs": {"top_logprobs": [{"c": -1.0}], "tokens": ["c"]}}]}
     other = {"choices": [{"logprobs": {"top_logprobs": [{"c": "x"}], "tokens": ["c"]}}]}
     assert shape(chunk) == shape(one) and shape(other) != shape(one)
+    token = {"token": "a", "logprob": -1.0, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -1.0}]}
+    chat_two = {
+        "choices": [{"delta": {"content": "ab"}, "logprobs": {"content": [token, {**token, "token": "b"}]}}]
+    }
+    chat_one = {"choices": [{"delta": {"content": "c"}, "logprobs": {"content": [token]}}]}
+    chat_bad = {"choices": [{"delta": {"content": "c"}, "logprobs": {"content": [{**token, "bytes": None}]}}]}
+    assert shape(chat_two) == shape(chat_one) and shape(chat_bad) != shape(chat_one)
