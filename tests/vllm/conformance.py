@@ -181,8 +181,8 @@ def shape(value: Any, path: str = "") -> Any:
             return [EMPTY]
         if all(not isinstance(v, dict | list) for v in value):
             return ["list of " + "|".join(sorted({shape(v) for v in value}))]
-        if path.endswith(PER_TOKEN):
-            distinct = {json.dumps(shape(v, path + "[]"), sort_keys=True) for v in value}
+        if path.endswith(PER_TOKEN):  # a token with empty text has empty `bytes`: the same kind of entry
+            distinct = {_bytes_as_ints(json.dumps(shape(v, path + "[]"), sort_keys=True)) for v in value}
             return [json.loads(s) for s in sorted(distinct)]
         return [shape(v, path + "[]") for v in value]
     if value is None:
@@ -190,14 +190,17 @@ def shape(value: Any, path: str = "") -> Any:
     return type(value).__name__
 
 
+def _bytes_as_ints(dumped: str) -> str:
+    """A dumped shape with its empty lists counted as lists of ints (an empty token text's `bytes`)."""
+    return dumped.replace(f'"{EMPTY}"', '"list of int"')
+
+
 def stream_shapes(chunks: list[Any]) -> dict[str, Any]:
     """A stream as its first chunk, its last, and the set of distinct chunk shapes in between: how many token
     chunks there are and how choices interleave follow timing, not the wire format."""
     shapes = [shape(c) for c in chunks]
     # an empty token text has empty `bytes`: the same kind of chunk as one with bytes
-    middle = sorted(
-        {json.dumps(s, sort_keys=True).replace(f'"{EMPTY}"', '"list of int"') for s in shapes[1:-1]}
-    )
+    middle = sorted({_bytes_as_ints(json.dumps(s, sort_keys=True)) for s in shapes[1:-1]})
     return {"first": shapes[0] if shapes else None, "last": shapes[-1] if shapes else None, "kinds": middle}
 
 

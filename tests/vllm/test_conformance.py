@@ -276,10 +276,17 @@ def test_a_chunk_carrying_two_tokens_has_the_shape_of_one_carrying_one():
     one = {"choices": [{"logprobs": {"top_logprobs": [{"c": -1.0}], "tokens": ["c"]}}]}
     other = {"choices": [{"logprobs": {"top_logprobs": [{"c": "x"}], "tokens": ["c"]}}]}
     assert shape(chunk) == shape(one) and shape(other) != shape(one)
-    token = {"token": "a", "logprob": -1.0, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -1.0}]}
+    token = {"token": "a", "logprob": -1.0, "bytes": [97]}
+    token["top_logprobs"] = [dict(token)]
     chat_two = {
         "choices": [{"delta": {"content": "ab"}, "logprobs": {"content": [token, {**token, "token": "b"}]}}]
     }
     chat_one = {"choices": [{"delta": {"content": "c"}, "logprobs": {"content": [token]}}]}
     chat_bad = {"choices": [{"delta": {"content": "c"}, "logprobs": {"content": [{**token, "bytes": None}]}}]}
     assert shape(chat_two) == shape(chat_one) and shape(chat_bad) != shape(chat_one)
+    # a token with empty text (empty bytes) among others is the same kind of entry (real vLLM, a CI run)
+    alternative = {"token": "", "logprob": -1.0, "bytes": []}
+    empty = {**alternative, "top_logprobs": [alternative]}
+    chat_empty = {"choices": [{"message": {"content": "a"}, "logprobs": {"content": [token, empty]}}]}
+    chat_plain = {"choices": [{"message": {"content": "a"}, "logprobs": {"content": [token]}}]}
+    assert shape(chat_empty) == shape(chat_plain)
