@@ -1,4 +1,4 @@
-"""`make bench`: every benchmark at a size that fits 2 cores in about 15 minutes, then `docs/benchmarks.md`.
+"""`make bench`: every benchmark at a size that fits 2 cores in under 40 minutes, then `docs/benchmarks.md`.
 
     python -m bench.all [--docs docs] [--only overhead policies ...]
 
@@ -104,8 +104,9 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
     ),
     (
         "lora",
-        "LoRA adapters in the fleet simulator: Zipf popularity over 50 and 500 adapters, slots and cold loads",
-        ["bench.fleet", "lora", "--output-dir", "{out}"],
+        "LoRA adapters in the fleet simulator: Zipf popularity over 50 and 500 adapters, slots and cold loads "
+        "(8 instances; `--sizes 8 32` for 32 too)",
+        ["bench.fleet", "lora", "--sizes", "8", "--output-dir", "{out}"],
         "fleet-lora.md",
     ),
     (
@@ -122,8 +123,8 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
     ),
     (
         "chaos",
-        "Chaos soak: a fault every 20 s for 10 minutes on three loopback nodes",
-        ["bench.chaos", "--gap", "20", "--duration", "600", "--output", "{out}/chaos.md"],
+        "Chaos soak: a fault every 20 s for 5 minutes on three loopback nodes (`--duration 600` for the long soak)",
+        ["bench.chaos", "--gap", "20", "--duration", "300", "--output", "{out}/chaos.md"],
         "chaos.md",
     ),
     (
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     meta_path = out / "steps.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     total0 = time.monotonic()
+    failed: list[str] = []
     for name, seconds, command in args.record:
         meta[name] = {
             "command": command,
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         argv_ = [a.replace("{out}", str(out)) for a in argv_tpl]
         shown = " ".join([PY, "-m", *map(shlex.quote, argv_)])
-        print(f"== {title}: {shown}", file=sys.stderr, flush=True)
+        load_before = round(os.getloadavg()[0], 2)
+        print(f"== {title}: {shown} (load average {load_before})", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", *argv_], stdout=subprocess.PIPE, text=True)
         (out / f"{name}.stdout.txt").write_text(proc.stdout)
@@ -246,9 +249,18 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.monotonic() - t0, 1),
             "exit": proc.returncode,
             "finished": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
+            "load_before": load_before,
             "load_after": round(os.getloadavg()[0], 2),
         }
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+        print(
+            f"== {name}: exit {proc.returncode}, {meta[name]['seconds']:.0f} s, load average "
+            f"{load_before} -> {meta[name]['load_after']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if proc.returncode != 0:
+            failed.append(name)
     total = time.monotonic() - total0
     sections = []
     for name, title, _, piece in STEPS:
@@ -268,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         sections.append((name, title, m, body))
     write_report(docs / "benchmarks.md", info, sections, total, args.only)
     print(f"wrote {docs / 'benchmarks.md'} ({total / 60:.1f} min of benchmarks this run)", file=sys.stderr)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -283,11 +298,12 @@ def write_report(path: Path, info, sections, total: float, only) -> None:
         + (f" (this report's last invocation re-ran only: {', '.join(only)})" if only else "")
         + ":",
         "",
-        "| step | command | minutes | finished (UTC) | load average after |",
+        "| step | command | minutes | finished (UTC) | load average before / after |",
         "|---|---|---:|---|---:|",
     ]
     lines += [
-        f"| {title} | `{m['command']}` | {m['seconds'] / 60:.1f} | {m['finished']} | {m['load_after']} |"
+        f"| {title} | `{m['command']}` | {m['seconds'] / 60:.1f} | {m['finished']} "
+        f"| {m.get('load_before', 'n/a')} / {m['load_after']} |"
         for _, title, m, _ in sections
     ]
     for name, title, m, body in sections:

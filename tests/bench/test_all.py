@@ -1,0 +1,37 @@
+"""`make bench`'s driver: a failing step fails the whole run, and every step's load average is kept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import all as bench_all
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    def use(*steps):
+        monkeypatch.setattr(bench_all, "STEPS", list(steps))
+        monkeypatch.setattr(bench_all, "PLOTS", {})
+
+    return use
+
+
+def test_a_failing_step_fails_the_run_and_the_report_says_so(tmp_path, steps):
+    steps(
+        ("ok", "Runs", ["json.tool", "--help"], None),
+        ("broken", "Fails", ["json.tool", str(tmp_path / "missing.json")], None),
+    )
+    assert bench_all.main(["--docs", str(tmp_path)]) == 1
+    meta = json.loads((tmp_path / "bench" / "steps.json").read_text())
+    assert meta["ok"]["exit"] == 0 and meta["broken"]["exit"] != 0
+    assert {"load_before", "load_after"} <= set(meta["broken"])
+    report = (tmp_path / "benchmarks.md").read_text()
+    assert "**This step failed" in report and "## Fails" in report
+
+
+def test_a_run_whose_steps_all_pass_succeeds(tmp_path, steps):
+    steps(("ok", "Runs", ["json.tool", "--help"], None))
+    assert bench_all.main(["--docs", str(tmp_path)]) == 0
+    assert "| Runs |" in (tmp_path / "benchmarks.md").read_text()
