@@ -48,7 +48,7 @@ class ThreadUnderstand:
         self.picker = picker
         self.pool = ThreadPoolExecutor(2)
 
-    async def understand(self, api, raw_body, known_models, max_model_len=None):
+    async def understand(self, api, raw_body, known_models, max_model_len=None, adapters=None):
         return await asyncio.get_running_loop().run_in_executor(
             self.pool, self.picker.understand, api, raw_body
         )
