@@ -35,3 +35,17 @@ def test_a_run_whose_steps_all_pass_succeeds(tmp_path, steps):
     steps(("ok", "Runs", ["json.tool", "--help"], None))
     assert bench_all.main(["--docs", str(tmp_path)]) == 0
     assert "| Runs |" in (tmp_path / "benchmarks.md").read_text()
+
+
+def test_a_real_time_step_begun_above_the_settled_load_is_marked(tmp_path, steps, monkeypatch):
+    monkeypatch.setattr(bench_all.os, "getloadavg", lambda: (3.0, 0.0, 0.0))
+    monkeypatch.setattr(bench_all, "REAL_TIME", {"ok"})
+    steps(("ok", "Runs", ["json.tool", "--help"], None))
+    assert bench_all.main(["--docs", str(tmp_path), "--settle-s", "0"]) == 0  # no wait: it starts at 3.0
+    assert "| 3.0 **(unsettled)** / 3.0 |" in (tmp_path / "benchmarks.md").read_text()
+
+
+def test_settling_waits_for_the_load_average_to_fall(monkeypatch):
+    loads = iter([2.0, 2.0, 1.5, 0.5])
+    monkeypatch.setattr(bench_all.os, "getloadavg", lambda: (next(loads, 0.5), 0.0, 0.0))
+    assert bench_all.settle(5, poll_s=0) == 0.5
