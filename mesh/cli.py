@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run replica I of coordinator.replicas (name c<I>, ports +10*I)",
     )
     p_coord.add_argument("--certs-dir", default=None, help="certificates (default: security.certs_dir)")
+    p_coord.add_argument(
+        "--standby",
+        action="store_true",
+        help="a spare (`tandem up` keeps one): import everything, then wait for a line `go` on stdin before "
+        "reading the config and serving; exit 0 when stdin ends",
+    )
     p_cond = sub.add_parser("conductor", help="run the conductor (the KV index)")
     p_cond.add_argument("--config", default=None, help="mesh config file (YAML); defaults without it")
     p_cond.add_argument("--listen", help="gRPC address, overrides the config")
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "top":
         return _top(args.config, args.certs_dir, args.interval, args.once)
     if args.command == "coordinator":
-        return _coordinator(args.config, args.replica, args.certs_dir)
+        return _coordinator(args.config, args.replica, args.certs_dir, args.standby)
     if args.command == "conductor":
         return _conductor(args.config, args.listen, args.metrics_listen, args.replica, args.certs_dir)
     if args.action == "stop":
@@ -242,11 +248,11 @@ def _top(path: str, certs: str | None, interval: float, once: bool) -> int:
         return run(channel, address, interval, once)
 
 
-def _coordinator(path: str, replica: int | None, certs: str | None) -> int:
+def _coordinator(path: str, replica: int | None, certs: str | None, standby: bool = False) -> int:
     from coordinator.app import run
     from mesh.config import ConfigError, load_mesh_config
     from mesh.security import component_tls
-    from tandem.process import run_component
+    from tandem.process import run_component, wait_for_go
 
     def load(file: str | Path) -> MeshConfig:
         mesh = load_mesh_config(file)
@@ -261,7 +267,7 @@ def _coordinator(path: str, replica: int | None, certs: str | None) -> int:
     def main(mesh: MeshConfig) -> Coroutine[Any, Any, None]:
         return _traced(mesh, "tandem-coordinator", run(mesh, load, component_tls(mesh, "coordinator", certs)))
 
-    return run_component("coordinator", lambda: load(path), main)
+    return run_component("coordinator", lambda: load(path), main, wait_for_go if standby else None)
 
 
 def _conductor(

@@ -173,6 +173,11 @@ class UpConfig(BaseModel):
     """Restart of Envoy. Every client connection is refused while it is down and it starts in a fraction of a
     second, holding no state: it is started again at once, and even in a crash loop (or killed again and again) at
     least every second, never after a 30 s backoff."""
+    coordinator_standby: bool = True
+    """Keep a spare process per coordinator, started (its modules imported) and waiting: a coordinator that exits
+    is replaced by its spare, which reads the mesh file and serves without Python's start-up (most of the time a
+    fresh process takes to serve again), and a new spare is started once the replacement has run
+    `SPARE_AFTER_S`. False: a fresh process each time (one process less per coordinator)."""
 
 
 class ModelConfig(BaseModel):

@@ -35,6 +35,10 @@ from tandem.restarts import RestartState, RestartTracker
 from tandem.tls import TlsFiles
 from tandem.v1 import admin_pb2, admin_pb2_grpc
 
+#: A spare coordinator is started once its component's process has run this long (not while a mesh, or a replaced
+#: coordinator, is still starting).
+SPARE_AFTER_S = 10.0
+
 
 class StartError(Exception):
     """A component did not come up; the message says which and where its log is."""
@@ -52,23 +56,73 @@ class Component:
     node_id: str | None = None  # for a node agent
     env: dict[str, str] | None = None
     pidfd: int | None = None  # of the running process
+    spare_argv: list[str] | None = None  # a spare's command line (waits for `go` on stdin), if it has spares
+    spare: subprocess.Popen | None = None
+    started_at: float = 0.0
 
-    def start(self) -> None:
-        self.close_pidfd()
+    def _popen(self, argv: list[str], stdin: int) -> subprocess.Popen:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         env = {**os.environ, "TANDEM_NO_BANNER": "1", "PYTHONUNBUFFERED": "1", **(self.env or {})}
         # A session of its own: Ctrl-C reaches `tandem up` only, which stops the children in order.
-        self.process = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
-        )
-        log.close()
-        self.tracker.started(time.monotonic())
+        try:
+            return subprocess.Popen(
+                argv, stdin=stdin, stdout=log, stderr=log, env=env, start_new_session=True
+            )
+        finally:
+            log.close()
+
+    def start(self) -> None:
+        """Starts the process: its spare takes over when one is waiting, else a fresh one."""
+        self.close_pidfd()
+        self.process = self._take_spare() or self._popen(self.argv, subprocess.DEVNULL)
+        self.started_at = time.monotonic()
+        self.tracker.started(self.started_at)
         try:
             self.pidfd = os.pidfd_open(
                 self.process.pid
             )  # readable once it exits: `wait_for_exit` wakes at once
         except OSError:
             self.pidfd = None
+
+    def start_spare(self) -> None:
+        self.spare = self._popen(self.spare_argv or self.argv, subprocess.PIPE)
+
+    def _take_spare(self) -> subprocess.Popen | None:
+        spare, self.spare = self.spare, None
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return None
+        try:
+            spare.stdin.write(b"go\n")
+            spare.stdin.close()
+        except OSError:  # it died meanwhile
+            spare.kill()
+            spare.wait()
+            return None
+        return spare
+
+    def wants_spare(self, now: float) -> bool:
+        """A spare is due: this component has them, none is waiting, and its process has run SPARE_AFTER_S (a new
+        spare's start-up would otherwise take CPU from the process that just replaced the last one)."""
+        return (
+            self.spare_argv is not None
+            and self.spare is None
+            and self.alive()
+            and now - self.started_at >= SPARE_AFTER_S
+        )
+
+    def stop_spare(self) -> None:
+        """Closes the spare's stdin (it exits 0), killing it if it lingers."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        with contextlib.suppress(OSError):
+            if spare.stdin is not None:
+                spare.stdin.close()
+        try:
+            spare.wait(5)
+        except subprocess.TimeoutExpired:
+            spare.kill()
+            spare.wait()
 
     def close_pidfd(self) -> None:
         if self.pidfd is not None:
@@ -198,7 +252,10 @@ class Mesh:
             argv = [py, "-m", "mesh", "coordinator", "--config", self.config_path]
             name = "coordinator" if section.replicas == 1 else f"coordinator-c{i}"
             extra = [] if section.replicas == 1 else ["--replica", str(i)]
-            coordinators.append((self._component(name, argv + extra), section.replica_config(i).listen))
+            component = self._component(name, argv + extra)
+            if self.mesh.up.coordinator_standby:
+                component.spare_argv = [*argv, *extra, "--standby"]
+            coordinators.append((component, section.replica_config(i).listen))
         for component, address in conductors:
             _wait(component, lambda a=address: _grpc_serving(a, self.tls, "conductor"), 30)
         for component, address in coordinators:
@@ -244,6 +301,16 @@ class Mesh:
         changed = False
         for component in self.components:
             tracker = component.tracker
+            spare = component.spare
+            if spare is not None and spare.poll() is not None:  # broken: it never waits for `go`
+                _say(
+                    f"{component.name}'s spare exited (code {spare.returncode}) while waiting; restarts start a "
+                    f"fresh process from now on (log: {component.log_path})"
+                )
+                component.spare, component.spare_argv = None, None
+            if component.wants_spare(now):
+                component.start_spare()
+                changed = True
             if component.alive():
                 if tracker.tick(now):
                     changed = True
@@ -276,6 +343,7 @@ class Mesh:
             c.name: {
                 "state": c.tracker.state.value,
                 "pid": c.process.pid if c.alive() and c.process else None,
+                "spare_pid": c.spare.pid if c.spare is not None and c.spare.poll() is None else None,
                 "restarts": c.tracker.restarts,
                 "quick_exits": c.tracker.quick_exits,
                 "last_exit_code": c.exit_code,
@@ -321,6 +389,7 @@ class Mesh:
                     config, stop_engines=True, timeout_s=0, tls=self.tls
                 )  # engines of an agent that was down
             else:
+                component.stop_spare()
                 component.stop(grace=10)
 
 
