@@ -37,7 +37,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.harness import Etcd, free_ports, wait_until
+from bench.harness import Etcd, TimedOut, free_ports, wait_until
 from bench.steady_load import SteadyLoad
 from mesh.config import parse_mesh_config
 from mesh.envoy import ADMIN_SOCKET_NAME, admin_get
@@ -135,11 +135,15 @@ class UpProcess:
                 [sys.executable, "-m", "mesh", "up", "--config", str(self.config_path), "--run-dir", str(self.run_dir)],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TANDEM_NO_BANNER": "1"},
             )  # fmt: skip
-        wait(
-            lambda: "Tandem is up." in self.output.read_text() or self.process.poll() is not None,
-            timeout,
-            "up",
-        )
+        try:
+            wait(
+                lambda: "Tandem is up." in self.output.read_text() or self.process.poll() is not None,
+                timeout,
+                "up",
+            )
+        except TimedOut:
+            tail = "\n".join(self.output.read_text().splitlines()[-30:])
+            raise RuntimeError(f"tandem up not up after {timeout:g} s; its output ends:\n{tail}") from None
         if self.process.poll() is not None:
             raise RuntimeError(f"tandem up exited:\n{self.output.read_text()}")
 
@@ -507,8 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         up = UpProcess(
             multi_node_config(args.engines_per_node, etcd=etcd.endpoint if etcd else None), Path(tmp), etcd
         )
-        up.start()
-        try:
+        try:  # a mesh that did not come up is stopped too: its processes would outlive this bench
+            up.start()
             results = run_chaos(up, args.clients, args.gap, args.duration)
             wait(lambda: workload_zero(up), 60, "workload back to zero")
         finally:
