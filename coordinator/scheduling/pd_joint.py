@@ -18,9 +18,8 @@ take the request and is not a candidate (unless every one is that full: then the
 The coordinator passes its configured policy's pick as `prefill_pick`: P is the instance that policy chooses
 (`kv_affinity`'s cache ownership and replication rules keep prefixes where they live; a greedy `prefill(P)` copies
 them to idle instances and lost 2x in mean TTFT at 90% load in the fleet simulator, docs/pd.md), and D is the decode
-instance with the lowest `transfer(P -> D) + first_step(D)`. Without it (the pure search, kept for a caller with no
-policy), only the `top_k` prefill instances by `prefill(P)` and the `top_k` decode instances by `first_step(D)` plus
-the transfer they would need from the fastest link are paired: at most `top_k`^2 pairs.
+instance with the lowest `transfer(P -> D) + first_step(D)`. Without it (a caller with no policy), every pair is
+scored.
 
 With `local` (the adaptive form, `scheduler.pd_choice: adaptive`), serving the request on a decode instance alone (no transfer, vLLM decodes
 a request that comes without `kv_transfer_params` itself) is a candidate too, at
@@ -46,7 +45,6 @@ adapter's own (`RequestFacts.adapter`, `tandem.chain_hash.adapter_root`).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -70,7 +68,6 @@ STEP_BUDGET = 8192
 class Params:
     """See the module docstring."""
 
-    top_k: int = 4
     #: KV bytes per prompt token (Llama-3.1-8B in BF16: 2 x 32 layers x 8 KV heads x 128 dims x 2 bytes).
     kv_bytes_per_token: int = 131072
     max_kv_usage: float = 0.95
@@ -86,8 +83,6 @@ class Params:
     link_cooldown_s: float = COOLDOWN_S
 
     def check(self) -> str | None:
-        if self.top_k < 1:
-            return f"top_k: must be >= 1, got {self.top_k}"
         if not 0 < self.max_kv_usage <= 1:
             return f"max_kv_usage: must be in (0, 1], got {self.max_kv_usage}"
         if self.kv_bytes_per_token < 1:
@@ -212,35 +207,19 @@ class PdJoint:
         is served locally. `adapter`: the LoRA adapter both legs need ("" for the base model). `prefill_pick`: the
         prefill instance is this pick among the prefill candidates (the configured policy's, as the coordinator
         passes it), leaving out one whose links to every decode candidate failed lately; the decode instance is then
-        chosen for it among all decode candidates. Without it, the `top_k` of each side are paired."""
+        chosen for it among all decode candidates. Without it every pair is scored."""
         if not decodes:
             raise ValueError("choose needs at least one decode candidate")
-        p = self.params
         pool = self.decode_pool(decodes)
         now = self.clock()
         for dc in pool:
             self._observe(dc, now)
-        if prefill_pick is not None:
-            ps = [prefill_pick(self._linked(prefills, pool, now))] if prefills else []
-            ds = pool
-        else:
-            fastest = min((self.topology.of(self.node_of(d)).intra.bandwidth for d in pool), default=math.inf)
-            ps = sorted(
-                prefills, key=lambda c: (self.prefill_s(c, isl) + self.adapter_s(c, adapter), c.instance_id)
-            )[: p.top_k]
-            ds = sorted(
-                pool,
-                key=lambda d: (
-                    self.first_step_s(d, isl)
-                    + _uncached(d, isl) * p.kv_bytes_per_token / fastest
-                    + self.adapter_s(d, adapter),
-                    d.instance_id,
-                ),
-            )[: p.top_k]
         best: tuple[tuple[bool, float, str, str], PairChoice] | None = None
-        for pc in ps:
+        linked = self._linked(prefills, pool, now)
+        scored = [prefill_pick(linked)] if prefill_pick is not None and linked else linked
+        for pc in scored:
             before = self.prefill_s(pc, isl) + self.adapter_s(pc, adapter)
-            for dc in ds:
+            for dc in pool:
                 moved_s, tokens, cross = self.transfer(pc, dc, isl)
                 ttft = before + moved_s + self.first_step_s(dc, isl) + self.adapter_s(dc, adapter)
                 # A pair blamed for a failed transfer comes after every other choice.
@@ -252,8 +231,8 @@ class PdJoint:
                 )
                 if best is None or key < best[0]:
                     best = (key, PairChoice(pc, dc, ttft, moved_s, tokens, cross))
-        if self.local or not ps:
-            for dc in ds:
+        if self.local or not prefills:
+            for dc in pool:
                 cost = self.local_s(dc, isl) + self.adapter_s(dc, adapter)
                 key = (False, cost, "", dc.instance_id)
                 if best is None or key < best[0]:

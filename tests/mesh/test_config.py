@@ -98,7 +98,10 @@ def test_default_config_loads():
             "coordinator.topology.nodes.n1.bandwidth: unknown key",
         ),
         ({"coordinator": {"scheduler": {"pd_choice": "sometimes"}}}, "coordinator.scheduler.pd_choice"),
-        ({"coordinator": {"scheduler": {"pd_joint": {"top_k": 0}}}}, "top_k: must be >= 1"),
+        (
+            {"coordinator": {"scheduler": {"pd_joint": {"max_kv_usage": 0}}}},
+            "max_kv_usage: must be in (0, 1]",
+        ),
         ([1, 2], "expected a mapping"),
         (
             {"envoy": {"decision": "ext_authz"}, "coordinator": {"engine_priority": True}},

@@ -94,8 +94,8 @@ def test_adaptive_serves_locally_when_the_prefill_pool_is_saturated_and_a_decode
     assert choice.prefill is None and choice.decode.instance_id == "d0"
 
 
-def test_the_search_is_bounded_to_the_top_k_of_each_side():
-    joint = create({"top_k": 1})
+def test_without_a_policy_every_pair_is_scored():
+    joint = create()
     prefills = [p(f"p{i}", prefill=1000 * i) for i in range(6)]
     decodes = [d(f"d{i}", inflight=i, context=500 * i) for i in range(6)]
     seen: list[tuple[str, str]] = []
@@ -110,7 +110,8 @@ def test_the_search_is_bounded_to_the_top_k_of_each_side():
         choice = joint.choose(ISL, prefills, decodes)
     finally:
         PdJoint.transfer = original  # type: ignore[method-assign]
-    assert seen == [("p0", "d0")] and (choice.prefill.instance_id, choice.decode.instance_id) == ("p0", "d0")
+    assert seen == [(f"p{i}", f"d{j}") for i in range(6) for j in range(6)]
+    assert (choice.prefill.instance_id, choice.decode.instance_id) == ("p0", "d0")
 
 
 def test_a_node_can_override_its_links():
@@ -122,8 +123,6 @@ def test_a_node_can_override_its_links():
 
 
 def test_bad_parameters_are_named():
-    with pytest.raises(ValueError, match="top_k"):
-        create({"top_k": 0})
     with pytest.raises(ValueError, match="max_kv_usage"):
         create({"max_kv_usage": 1.5})
     with pytest.raises(ValueError, match="choose needs at least one decode candidate"):
