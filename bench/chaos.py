@@ -1,11 +1,11 @@
 """Chaos on a multi-node mesh on one machine: faults injected in turn under steady streaming load.
 
-    python -m bench.chaos [--engines-per-node 1] [--clients 6] [--gap 20] [--duration 600] [--output FILE]
+    python -m bench.chaos [--engines-per-node 1] [--clients 6] [--gap 20] [--duration 600] [--no-etcd] [--output FILE]
 
 Layout: three "nodes" on the loopback addresses 127.0.1.1, 127.0.2.1 and 127.0.3.1, each with its node agent and
 engines (simengine) on its own address; two coordinator replicas sharing an etcd, two conductor replicas and Envoy on
-127.0.0.1 (one coordinator and one conductor when etcd is not installed); everything but etcd started by
-`tandem up`, which restarts what dies. Envoy's engines cluster is `static` (a request refused before any byte is
+127.0.0.1 (one coordinator and one conductor with `--no-etcd` or when etcd is not installed); everything but etcd
+started by `tandem up`, which restarts what dies. Envoy's engines cluster is `static` (a request refused before any byte is
 retried on another engine) and the instances' lease outlasts an agent restart.
 
 Faults, in order: kill an engine; kill a node agent (its engines keep serving and are adopted); kill a whole node
@@ -500,14 +500,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--duration", type=float, default=0.0, help="cycle the faults this long (0: each once)"
     )
+    parser.add_argument(
+        "--no-etcd",
+        action="store_true",
+        help="one coordinator and one conductor, no etcd (a lone coordinator's kill: issue 23's 1 s goal)",
+    )
     parser.add_argument("--output", default=None, help="markdown file for the table")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tandem-chaos-") as tmp:
-        etcd = Etcd(Path(tmp) / "etcd") if shutil.which("etcd") else None
+        etcd = Etcd(Path(tmp) / "etcd") if shutil.which("etcd") and not args.no_etcd else None
         if etcd is not None:
             etcd.start()
         else:
-            print("etcd not installed: one coordinator and one conductor", file=sys.stderr)
+            print("no etcd: one coordinator and one conductor", file=sys.stderr)
         up = UpProcess(
             multi_node_config(args.engines_per_node, etcd=etcd.endpoint if etcd else None), Path(tmp), etcd
         )

@@ -85,7 +85,8 @@ class Component:
             self.pidfd = None
 
     def start_spare(self) -> None:
-        self.spare = self._popen(self.spare_argv or self.argv, subprocess.PIPE)
+        assert self.spare_argv is not None
+        self.spare = self._popen(self.spare_argv, subprocess.PIPE)
 
     def _take_spare(self) -> subprocess.Popen | None:
         spare, self.spare = self.spare, None
