@@ -1,4 +1,4 @@
-"""`make bench`: every benchmark at a size that fits 2 cores in under 40 minutes, then `docs/benchmarks.md`.
+"""`make bench`: every benchmark at a size that fits 2 cores in about 40 minutes, then `docs/benchmarks.md`.
 
     python -m bench.all [--docs docs] [--only overhead policies ...]
 
