@@ -5,8 +5,8 @@
 Layout: three "nodes" on the loopback addresses 127.0.1.1, 127.0.2.1 and 127.0.3.1, each with its node agent and
 engines (simengine) on its own address; two coordinator replicas sharing an etcd, two conductor replicas and Envoy on
 127.0.0.1 (one coordinator and one conductor with `--no-etcd` or when etcd is not installed); everything but etcd
-started by `tandem up`, which restarts what dies. Envoy's engines cluster is `static` (a request refused before any byte is
-retried on another engine) and the instances' lease outlasts an agent restart.
+started by `tandem up`, which restarts what dies. Envoy's engines cluster is `static` (a request refused before any
+byte is retried on another engine) and the instances' lease outlasts an agent restart.
 
 Faults, in order: kill an engine; kill a node agent (its engines keep serving and are adopted); kill a whole node
 (agent and engines); kill a conductor replica; kill a coordinator replica (the only one without etcd); kill etcd for

@@ -15,6 +15,7 @@ module's heavier imports; they are re-exported here so that tests import their h
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -349,6 +350,14 @@ class RunningMesh:
         """The coordinator's `Admin/GetStats`, over a channel closed afterwards."""
         with self.channel() as channel:
             return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+
+    def up_status(self, component: str) -> dict:
+        """`tandem up`'s entry for a component in run/status.json (pid, spare_pid, restarts, ...); {} before it is
+        written."""
+        try:
+            return json.loads((self.run_dir / "status.json").read_text())[component]
+        except (OSError, ValueError, KeyError):
+            return {}
 
     def wait_for(self, predicate, timeout: float = 30, what: str = ""):
         return wait_until(predicate, timeout, what, interval=0.1)

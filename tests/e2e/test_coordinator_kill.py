@@ -36,16 +36,8 @@ def mesh(request, tmp_path):
     running.stop()
 
 
-def up_status(mesh: RunningMesh) -> dict:
-    """`tandem up`'s coordinator entry in run/status.json (pid, spare_pid, restarts)."""
-    try:
-        return json.loads((mesh.run_dir / "status.json").read_text())["coordinator"]
-    except (OSError, ValueError, KeyError):
-        return {}
-
-
 def coordinator_pid(mesh: RunningMesh) -> int:
-    pid = up_status(mesh).get("pid")
+    pid = mesh.up_status("coordinator").get("pid")
     assert pid and pid in processes_mentioning(f"-m mesh coordinator --config {mesh.config_path}")
     return pid
 
@@ -109,7 +101,7 @@ def test_streams_routed_before_a_coordinator_crash_complete(mesh):
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS  # the whole answer arrived
     # `tandem up` restarts the coordinator; the agent registers its engines again.
-    mesh.wait_for(lambda: up_status(mesh).get("pid") not in (None, victim), 30, "restart")
+    mesh.wait_for(lambda: mesh.up_status("coordinator").get("pid") not in (None, victim), 30, "restart")
     mesh.wait_for(lambda: healthy_instances(mesh) == 2, 30, "engines registered with the new coordinator")
     payload = {"model": "tandem-sim", "prompt": "after the crash", "max_tokens": 8}
     for _ in range(4):
@@ -185,15 +177,18 @@ def test_killing_the_only_coordinator_under_load_fails_no_request_and_serves_aga
     answering 503. `tandem up` hands over to the coordinator's spare at once (`up.restart.first_restart_s` 0 and
     `up.coordinator_standby`, its defaults here), which reads the mesh file and listens without Python's start-up,
     and the agents register again within ~0.1 s of it listening, so a request is answered 200 within 1 s of the
-    kill. Bounded: one kill, at most 60 probe requests, a minute at most. Without the spare: 0.69-1.04 s on a box
-    with load average 2.5-6, most of it the fresh process's start-up."""
+    kill. Bounded: one kill, at most 60 probe requests, a minute at most. Without the spare
+    (`up.coordinator_standby: false`): 0.55-0.61 s on the idle box against the spare's 0.32 s, most of it the fresh
+    process's start-up."""
     config = mesh_config(engines=2, engine_args=["--speedup", "10"])
     config.pop("up", None)  # `tandem up`'s own restart defaults
     mesh = RunningMesh(config, tmp_path)
     mesh.start()
     try:
-        mesh.wait_for(lambda: up_status(mesh).get("spare_pid"), 30, "the coordinator's spare waiting")
-        victim, spare = coordinator_pid(mesh), up_status(mesh)["spare_pid"]
+        mesh.wait_for(
+            lambda: mesh.up_status("coordinator").get("spare_pid"), 30, "the coordinator's spare waiting"
+        )
+        victim, spare = coordinator_pid(mesh), mesh.up_status("coordinator")["spare_pid"]
         load = SteadyLoad(mesh.http, "tandem-sim", clients=6, timeout_s=30).start()
         try:
             mesh.wait_for(lambda: load.count(ok=True) >= 12, 60, "load flowing")
@@ -207,7 +202,9 @@ def test_killing_the_only_coordinator_under_load_fails_no_request_and_serves_aga
         finally:
             load.stop()
         mesh.wait_for(
-            lambda: up_status(mesh).get("pid") == spare, 10, "the spare serving in the victim's place"
+            lambda: mesh.up_status("coordinator").get("pid") == spare,
+            10,
+            "the spare serving in the victim's place",
         )
         report = load.report()
         breakdown = (

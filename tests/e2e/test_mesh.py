@@ -228,16 +228,10 @@ def test_all_engines_stopped_gives_503_then_recovers(mesh):
     )
 
 
-def spare_pid(mesh) -> int | None:
-    """The coordinator's spare (`up.coordinator_standby`) from run/status.json."""
-    try:
-        return json.loads((mesh.run_dir / "status.json").read_text())["coordinator"]["spare_pid"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def test_ctrl_c_leaves_no_process_behind(mesh):
-    spare = mesh.wait_for(lambda: spare_pid(mesh), 30, "the coordinator's spare waiting")
+    spare = mesh.wait_for(
+        lambda: mesh.up_status("coordinator").get("spare_pid"), 30, "the coordinator's spare"
+    )
     engine_pids = [e.pid for e in mesh.engines().values() if e.pid]
     component_pids = processes_mentioning(str(mesh.config_path)) + processes_mentioning(str(mesh.run_dir))
     assert len(engine_pids) == 2 and len(component_pids) >= 5 and spare in component_pids
