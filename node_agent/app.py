@@ -69,6 +69,8 @@ class NodeAgent:
         addresses = [conductor_address] if isinstance(conductor_address, str) else list(conductor_address)
         self.relays = [KvEventRelay(address, config.node_id, tls=tls) for address in addresses]
         self.relay = self.relays[0]
+        for relay in self.relays:
+            relay.on_activity = self._engine_active
         self.services = build_services(config, self.runtime_dir, placement or Placement(), self._changed)
         for service in self.services:
             for sup in service.supervisors:
@@ -86,6 +88,12 @@ class NodeAgent:
         if sup.load.kv_blocks:
             for relay in self.relays:
                 relay.capacity[sup.spec.events_instance or sup.name] = sup.load.kv_blocks
+
+    def _engine_active(self, instance_id: str) -> None:
+        """A relayed engine published KV events (headless ranks' events name their API server, which is read)."""
+        sup = self.supervisors.get(instance_id)
+        if sup is not None:
+            sup.activity()
 
     def _engine_supervisors(self) -> list[EngineSupervisor]:
         return [s for s in self.supervisors.values() if s.registrable]

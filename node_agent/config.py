@@ -402,7 +402,7 @@ class NodeAgentConfig(BaseModel):
     """Where the agent records the processes it launched (pid, start time, launch), so that a restarted agent adopts
     them instead of restarting them; `<runtime_dir>/state` when unset."""
     probe_interval_s: float = Field(default=0.5, gt=0)
-    """How often each engine's `/health` and `/metrics` are read."""
+    """How often each engine's `/health` is probed."""
     probe_timeout_s: float = Field(default=1.0, gt=0)
     """A `/health` (or `/metrics`) read that takes longer fails: a hung engine is reported unhealthy within
     `probe_interval_s + probe_timeout_s`."""
@@ -415,8 +415,17 @@ class NodeAgentConfig(BaseModel):
     answers `/health`. Raise it for engines whose health endpoint can stall under load; null: never killed (a hung
     engine is then only reported UNRESPONSIVE and not routed to)."""
     load_interval_s: float = Field(default=0.25, gt=0)
-    """How often each healthy engine's `/metrics` is read and its load and progress counters relayed to the
-    coordinator (the coordinator takes finished prefills off its workload ledger from them: a few Hz)."""
+    """How often each healthy engine's `/metrics` is read while it works, and its load and progress counters relayed
+    to the coordinator (the coordinator takes finished prefills off its workload ledger from them: a few Hz)."""
+    idle_load_interval_s: float = Field(default=5.0, gt=0)
+    """How often an idle engine's `/metrics` is read: one whose last read showed nothing running or waiting and no
+    progress since the read before. A read costs a vLLM engine a few ms of CPU (its page is mostly histograms):
+    four a second cost an idle engine more than everything else it does. An idle engine is read again at once when
+    it publishes KV events (work has begun), and at `load_interval_s` while a read shows work, so this bounds only how
+    late the coordinator learns of work that stores no new blocks (a fully cached prompt with a short answer) and how
+    old an idle engine's load figures get. Engines with `kv_events: false` are always read at `load_interval_s`.
+    A read is relayed to the coordinator at once only when it says something new; its regular heartbeats carry the
+    latest read."""
     stop_grace_s: float = Field(default=10.0, gt=0)
     """Seconds between SIGTERM and SIGKILL when stopping an engine."""
     restart: RestartPolicy = RestartPolicy()

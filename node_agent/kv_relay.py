@@ -24,6 +24,7 @@ import contextlib
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -101,6 +102,8 @@ class KvEventRelay:
         self.capacity: dict[
             str, int
         ] = {}  # instance id -> KV blocks per rank, as its engine last reported them
+        #: Called with the instance id of each live batch read (the engine works; the agent reads its load sooner).
+        self.on_activity: Callable[[str], None] | None = None
 
     # -- sources --------------------------------------------------------------------------------------------------
 
@@ -299,6 +302,8 @@ class KvEventRelay:
                     self.decode_errors += 1
                     continue
                 seq, payload = item
+                if self.on_activity is not None:
+                    self.on_activity(src.instance_id)
                 req = self._to_request(src, seq, payload, replayed=False)
                 if req is None:
                     continue

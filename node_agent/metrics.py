@@ -21,14 +21,22 @@ class AgentCollector:
                                labels=["instance"])  # fmt: skip
         restarts = CounterMetricFamily("tandem_node_agent_restarts", "Restarts since the agent started",
                                        labels=["instance"])  # fmt: skip
+        scrapes = CounterMetricFamily(
+            "tandem_node_agent_engine_scrapes",
+            "Reads of the engine's /metrics (load_interval_s while it works, idle_load_interval_s while idle)",
+            labels=["instance"],
+        )
         for name, sup in self.agent.supervisors.items():
             state.add_metric([name, sup.reported_state.name.lower()], 1)
             up.add_metric([name], 1 if sup.healthy else 0)
             restarts.add_metric([name], sup.restarts)
+            if sup.base_url:
+                scrapes.add_metric([name], sup.scrapes)
         relays = self.agent.relays
         yield state
         yield up
         yield restarts
+        yield scrapes
         yield CounterMetricFamily("tandem_node_agent_kv_batches_relayed", "KV event batches sent to the conductor",
                                   value=sum(r.batches_sent for r in relays))  # fmt: skip
         yield CounterMetricFamily("tandem_node_agent_kv_batches_dropped", "KV event batches dropped on a full queue",

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -79,6 +81,7 @@ class SupervisorParams:
     probe_interval_s: float  # how often health is probed
     stop_grace_s: float  # SIGTERM to SIGKILL when stopping
     load_interval_s: float | None = None  # how often `/metrics` is scraped; `probe_interval_s` when None
+    idle_load_interval_s: float | None = None  # how often while it is idle; `load_interval_s` when None
     probe_timeout_s: float = 1.0  # a health probe (or scrape) that takes longer fails
     state_dir: str | None = None  # where launches are recorded for a later agent to adopt; None: not recorded
     liveness_timeout_s: float | None = (
@@ -94,6 +97,7 @@ class SupervisorParams:
             probe_interval_s=config.probe_interval_s,
             stop_grace_s=config.stop_grace_s,
             load_interval_s=config.load_interval_s,
+            idle_load_interval_s=config.idle_load_interval_s,
             probe_timeout_s=config.probe_timeout_s,
             state_dir=config.state_path,
             liveness_timeout_s=config.liveness_timeout_s,
@@ -125,7 +129,15 @@ class EngineSupervisor:
         self.load_interval_s = (
             params.load_interval_s or params.probe_interval_s
         )  # how often `/metrics` is read
-        self.on_load: Callable[[EngineSupervisor], None] | None = None  # called after each successful scrape
+        # Read idle engines less often only where their KV events say when work begins (`activity`).
+        relayed = engine is not None and engine.kv_events and bool(spec.kv_events)
+        self.idle_load_interval_s = (params.idle_load_interval_s if relayed else None) or self.load_interval_s
+        self.on_load: Callable[[EngineSupervisor], None] | None = None  # after a scrape that found news
+        self.scrapes = 0  # successful `/metrics` reads since the agent started
+        self._idle = False  # the last scrape found the engine idle (`engine_idle`)
+        self._wake: asyncio.Event | None = None  # set by `activity` to read an idle engine at once
+        self._answered_at = 0.0  # loop time of the last answered health probe
+        self._failed = 0  # health probes failed in a row since then
         self.probe_timeout_s = params.probe_timeout_s
         self.liveness_timeout_s = params.liveness_timeout_s
         self.state_dir = params.state_dir
@@ -154,6 +166,11 @@ class EngineSupervisor:
     def restarts(self) -> int:
         """Restarts so far (carried over from the agent that launched an adopted process)."""
         return self.tracker.restarts
+
+    @property
+    def idle(self) -> bool:
+        """The last read of its `/metrics` found the engine idle (`engine_idle`): read every `idle_load_interval_s`."""
+        return self._idle
 
     @property
     def base_url(self) -> str:
@@ -373,44 +390,7 @@ class EngineSupervisor:
             await self._set(EngineState.RUNNING)
             if self.lora_engine:  # loads and watches its adapters beside health and load
                 self._adapters_task = asyncio.create_task(self._watch_adapters(http))
-            loop = asyncio.get_running_loop()
-            next_probe = loop.time() + self.probe_interval_s
-            scrapes = bool(self.base_url)
-            tick = min(self.probe_interval_s, self.load_interval_s) if scrapes else self.probe_interval_s
-            answered_at = loop.time()  # the last health probe answered
-            failed = 0  # health probes failed since then
-            while not exited.done():
-                await asyncio.wait({exited}, timeout=tick)
-                if exited.done():
-                    break
-                if loop.time() >= next_probe:
-                    next_probe = loop.time() + self.probe_interval_s
-                    healthy = await self._probe(http)
-                    failed = 0 if healthy else failed + 1
-                    if healthy:
-                        answered_at = loop.time()
-                    elif liveness_expired(answered_at, loop.time(), failed, self.liveness_timeout_s):
-                        silent = loop.time() - answered_at
-                        self._kill_reason = (
-                            f"no answer to its health probe for {silent:.1f}s, killed (liveness_timeout_s)"
-                        )
-                        self.detail = self._kill_reason
-                        log.error(
-                            "engine unresponsive, killing it",
-                            extra={**self._log_fields(), "silent_s": silent},
-                        )
-                        self.process.kill()  # SIGKILL: a stopped (SIGSTOP) or wedged process takes nothing else
-                        continue
-                    if healthy != self.healthy:
-                        self.healthy = healthy
-                        self.detail = "" if healthy else f"not answering {self._health_what()} (unresponsive)"
-                        log.warning(
-                            "engine answers its health probe again" if healthy else "engine unresponsive",
-                            extra=self._log_fields(),
-                        )
-                        await self.on_change(self)
-                if self.healthy and scrapes and await self._scrape(http) and self.on_load is not None:
-                    self.on_load(self)
+            await self._watch(http, exited)
             return exited.result()
         finally:
             self.healthy = False
@@ -424,6 +404,69 @@ class EngineSupervisor:
                 exited.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await exited  # its pidfd reader is removed before anything closes the pidfd
+
+    async def _watch(self, http: aiohttp.ClientSession, exited: asyncio.Future) -> None:
+        """Until the process exits: probes its health every `probe_interval_s`, and reads its load every
+        `load_interval_s` while it works, every `idle_load_interval_s` while idle, and at once when an idle engine
+        publishes KV events (`activity`)."""
+        loop = asyncio.get_running_loop()
+        next_probe = loop.time() + self.probe_interval_s
+        next_scrape = loop.time() if self.base_url else math.inf
+        scraped_at = -math.inf
+        self._answered_at, self._failed = loop.time(), 0
+        self._wake = wake = asyncio.Event()
+        woken = asyncio.ensure_future(wake.wait())
+        try:
+            while not exited.done():
+                timeout = max(0.0, min(next_probe, next_scrape) - loop.time())
+                await asyncio.wait({exited, woken}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if exited.done():
+                    return
+                if woken.done():
+                    wake.clear()
+                    woken = asyncio.ensure_future(wake.wait())
+                    next_scrape = min(next_scrape, scraped_at + self.load_interval_s)
+                if loop.time() >= next_probe - TIMER_SLACK_S:
+                    next_probe = loop.time() + self.probe_interval_s
+                    if not await self._check_health(http):
+                        continue  # killed: `exited` follows
+                if loop.time() >= next_scrape - TIMER_SLACK_S:
+                    scraped_at = loop.time()
+                    if self.healthy and await self._scrape(http) and self.on_load is not None:
+                        self.on_load(self)
+                    interval = self.idle_load_interval_s if self._idle else self.load_interval_s
+                    next_scrape = scraped_at + interval
+        finally:
+            woken.cancel()
+            self._wake = None
+
+    async def _check_health(self, http: aiohttp.ClientSession) -> bool:
+        """One health probe: reports a change of health, and kills a process silent past `liveness_timeout_s`
+        (returns False then)."""
+        now = asyncio.get_running_loop().time
+        healthy = await self._probe(http)
+        self._failed = 0 if healthy else self._failed + 1
+        if healthy:
+            self._answered_at = now()
+        elif liveness_expired(self._answered_at, now(), self._failed, self.liveness_timeout_s):
+            silent = now() - self._answered_at
+            self._kill_reason = (
+                f"no answer to its health probe for {silent:.1f}s, killed (liveness_timeout_s)"
+            )
+            self.detail = self._kill_reason
+            log.error("engine unresponsive, killing it", extra={**self._log_fields(), "silent_s": silent})
+            assert self.process is not None
+            self.process.kill()  # SIGKILL: a stopped (SIGSTOP) or wedged process takes nothing else
+            return False
+        if healthy != self.healthy:
+            self.healthy = healthy
+            self.detail = "" if healthy else f"not answering {self._health_what()} (unresponsive)"
+            log.warning(
+                "engine answers its health probe again" if healthy else "engine unresponsive",
+                extra=self._log_fields(),
+            )
+            await self.on_change(self)
+        return True
 
     @property
     def lora_engine(self) -> bool:
@@ -499,18 +542,28 @@ class EngineSupervisor:
             return f"a connection to {self.tcp_health} within 1s"
         return f"/health within {self.probe_timeout_s:g}s"
 
+    def activity(self) -> None:
+        """The engine published KV events: an idle one has begun to work, so it is read now, not at the end of
+        `idle_load_interval_s`."""
+        if self._idle and self._wake is not None:
+            self._wake.set()
+
     async def _scrape(self, http: aiohttp.ClientSession) -> bool:
-        """Reads the engine's load and progress counters; False when it could not."""
+        """Reads the engine's load and progress counters; True when they are news for the coordinator (the load
+        changed, or the engine works), False when unchanged or unread."""
         if self.backend is None:
             return False
         try:
             async with http.get(f"{self.base_url}/metrics") as resp:
-                if resp.status == 200:
-                    self.load = self.backend.read_load(await resp.text())
-                    return True
+                if resp.status != 200:
+                    return False
+                load = self.backend.read_load(await resp.text())
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
-            pass
-        return False
+            return False
+        previous, self.load = self.load, load
+        self.scrapes += 1
+        self._idle = engine_idle(previous, load)
+        return not (self._idle and same_load(previous, load))
 
     async def _terminate(self) -> None:
         if self.process is not None:
@@ -518,6 +571,21 @@ class EngineSupervisor:
 
     def _log_fields(self) -> dict[str, object]:
         return {"instance": self.name, "restarts": self.restarts, "exit_code": self.last_exit_code}
+
+
+#: A probe or scrape due within this much is taken now (a timer may fire a hair early).
+TIMER_SLACK_S = 0.005
+
+
+def engine_idle(previous: EngineLoad, current: EngineLoad) -> bool:
+    """True when an engine has nothing running or waiting and its progress counters have not moved since the
+    previous read: nothing for the coordinator to follow until it works again."""
+    return not current.running and not current.waiting and current.progress == previous.progress
+
+
+def same_load(a: EngineLoad, b: EngineLoad) -> bool:
+    """The two reads say the same, whenever they were taken."""
+    return dataclasses.replace(a, sampled_at=0.0) == dataclasses.replace(b, sampled_at=0.0)
 
 
 #: Health probes that must fail in a row before a silent engine is killed: one is not enough, as the first probe after

@@ -17,7 +17,15 @@ from node_agent.config import NodeAgentConfig, RestartPolicy
 from node_agent.grpc_service import NodeAgentService
 from node_agent.launch import LaunchSpec
 from node_agent.processes import start_ticks
-from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams, liveness_expired
+from node_agent.supervisor import (
+    EngineState,
+    EngineSupervisor,
+    SupervisorParams,
+    engine_idle,
+    liveness_expired,
+    same_load,
+)
+from tandem.engine_load import EngineLoad
 from tandem.restarts import backoff_delay
 from tandem.v1 import node_agent_pb2, node_agent_pb2_grpc, registry_pb2, registry_pb2_grpc
 from tests.helpers import eventually, free_ports
@@ -158,6 +166,55 @@ def test_liveness_needs_the_timeout_of_silence_and_two_failed_probes_in_a_row():
     # The agent itself was frozen 5 s: its first probe after the thaw fails on its own account; no kill for that.
     assert not liveness_expired(answered_at=10.0, now=15.5, failed_probes=1, timeout_s=3.0)
     assert not liveness_expired(answered_at=10.0, now=60.0, failed_probes=9, timeout_s=None)  # liveness off
+
+
+def test_an_engine_is_idle_with_nothing_queued_and_no_progress_since_the_last_read():
+    quiet = EngineLoad(progress={0: (120, 40)}, sampled_at=1.0)
+    assert engine_idle(quiet, EngineLoad(progress={0: (120, 40)}, sampled_at=2.0))
+    assert not engine_idle(quiet, EngineLoad(progress={0: (120, 41)}))  # a token since: it worked in between
+    assert not engine_idle(quiet, EngineLoad(running=1, progress={0: (120, 40)}))
+    assert not engine_idle(quiet, EngineLoad(waiting=1, progress={0: (120, 40)}))
+    assert not engine_idle(EngineLoad(), EngineLoad(progress={0: (0, 0)}))  # the first read after a (re)start
+    assert same_load(
+        quiet, EngineLoad(progress={0: (120, 40)}, sampled_at=9.0)
+    )  # only the read's time differs
+    assert not same_load(quiet, EngineLoad(progress={0: (120, 40)}, kv_cache_usage=0.5))
+
+
+async def test_an_idle_engine_is_read_seldom_and_at_once_when_it_works(tmp_path, registry):
+    """Idle, an engine is read every `idle_load_interval_s` (30 s here) instead of every `load_interval_s` (0.1 s);
+    the KV events of a request that computes new blocks bring a read at once and reads at `load_interval_s` while it
+    works; done, it is idle again. Bounded: one engine, one request, about 10 s."""
+    config = sim_node(tmp_path, registry.address, "--speedup", "5", kv_events=True).model_copy(
+        update={"load_interval_s": 0.1, "idle_load_interval_s": 30.0}
+    )
+    agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+    sup = agent.supervisors["sim-0"]
+    await agent.start()
+    try:
+        await eventually(lambda: sup.state is EngineState.RUNNING and sup.scrapes >= 2, 30, "read twice")
+        before = sup.scrapes
+        await asyncio.sleep(1.0)  # an observation window: at load_interval_s it would hold 10 reads
+        assert sup.scrapes == before, "an idle engine read again before idle_load_interval_s"
+        prompt = " ".join(f"word{i}" for i in range(300))  # ~19 blocks to compute: KV events
+        async with httpx.AsyncClient(timeout=30) as http:
+            sent = asyncio.create_task(
+                http.post(
+                    f"{sup.base_url}/v1/completions",
+                    json={"model": "tandem-sim", "prompt": prompt, "max_tokens": 64, "ignore_eos": True},
+                )
+            )
+            await eventually(lambda: sup.scrapes > before, 3, "a read once the engine works")
+            await eventually(lambda: sup.load.running or sup.load.waiting, 3, "the request seen running")
+            reply = await sent
+            assert reply.status_code == 200, reply.text
+        assert sup.scrapes >= before + 3, sup.scrapes - before  # read at load_interval_s while it worked
+        await eventually(lambda: sup.idle, 3, "a read that finds it idle again")
+        quiet = sup.scrapes
+        await asyncio.sleep(1.0)  # the same window, after the work
+        assert sup.scrapes == quiet, sup.scrapes - quiet
+    finally:
+        await agent.stop(stop_engines=True)
 
 
 async def test_frozen_engine_is_reported_unresponsive_then_killed_and_restarted(tmp_path, registry):
