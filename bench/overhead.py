@@ -72,6 +72,9 @@ TANDEM_PATHS = {
 NULL_PEERS = ("sglang-router round_robin", "vllm-router round_robin")
 ALL_PATHS = ["direct", *TANDEM_PATHS, *PEERS]
 NULL_MODEL = "null"
+#: From the engines' health to the idle window: their agents read each engine twice before it counts as idle.
+IDLE_SETTLE_S = 3.0
+IDLE_GOAL_PCT = 0.5  # issue 24: agent and engine together, per idle engine, % of one core
 
 
 def cpu_seconds(pid: int) -> float:
@@ -84,6 +87,66 @@ def cpu_seconds(pid: int) -> float:
             continue
         total += sum(int(x) for x in fields[11:15]) / _TICK
     return total
+
+
+def own_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process alone (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+@dataclass
+class Idle:
+    """CPU of the mesh's processes over a window with no requests, as a share of one core."""
+
+    seconds: float
+    engines: int
+    share: dict[str, float]  # process kind (agent, engines, envoy, coordinator, conductor) -> % of a core
+
+    @property
+    def per_engine(self) -> float:
+        """Agent and engines, per engine: what supervising one more idle engine costs."""
+        return (self.share["agent"] + self.share["engines"]) / self.engines
+
+
+def measure_idle(mesh: Mesh, seconds: float) -> Idle:
+    """Every process `tandem up` started, and the engines its agents started, over `seconds` of no requests."""
+    kinds: dict[str, list[int]] = {}
+    for c in mesh.components:
+        if c.process is None:
+            continue
+        kind = "agent" if c.name.startswith("agent-") else c.name
+        kinds.setdefault(kind, []).append(c.process.pid)
+        if kind == "agent":
+            kinds.setdefault("engines", []).extend(_descendants(c.process.pid))
+    before = {k: sum(own_cpu_seconds(p) for p in pids) for k, pids in kinds.items()}
+    t0 = time.monotonic()
+    time.sleep(seconds)  # the measurement window itself
+    took = time.monotonic() - t0
+    share = {k: 100 * (sum(own_cpu_seconds(p) for p in pids) - before[k]) / took for k, pids in kinds.items()}
+    engines = sum(len(a.engines) for a in mesh.mesh.node_agents)
+    return Idle(took, engines, share)
+
+
+def idle_table(idle: Idle) -> str:
+    """The idle window as a markdown paragraph and table."""
+    order = ["agent", "engines", "envoy", "coordinator", "conductor"]
+    kinds = [k for k in order if k in idle.share] + sorted(set(idle.share) - set(order))
+    verdict = "met" if idle.per_engine <= IDLE_GOAL_PCT else "not met"
+    return "\n".join(
+        [
+            f"**idle: {idle.seconds:.0f} s with no requests, before any other path started** (CPU as % of one core, "
+            f"every process of the mesh; its {idle.engines} engines are the agent's children). Issue 24's goal, agent "
+            f"and engine together <= {IDLE_GOAL_PCT:g}% of a core per engine: {idle.per_engine:.2f}%, {verdict}.",
+            "",
+            "| " + " | ".join(kinds) + " | agent + engine, per engine |",
+            "|" + "---:|" * (len(kinds) + 1),
+            "| " + " | ".join(f"{idle.share[k]:.2f}" for k in kinds) + f" | {idle.per_engine:.2f} |",
+        ]
+    )
 
 
 def _descendants(pid: int) -> list[int]:
@@ -203,6 +266,7 @@ class Bench:
         self.others: list[subprocess.Popen] = []
         self.registrars: list[Registrar] = []
         self.policy = "least_load"
+        self.idle: Idle | None = None
 
     def set_policy(self, policy: str) -> None:
         """Switches Tandem's policy through a config reload (the coordinator polls the file every second)."""
@@ -239,6 +303,9 @@ class Bench:
         missing = self.mesh.wait_for_engines(60)
         if missing:
             raise RuntimeError(f"engines not healthy: {missing}")
+        if self.args.idle_s:
+            time.sleep(IDLE_SETTLE_S)  # the agents' first reads of each engine, before it counts as idle
+            self.idle = measure_idle(self.mesh, self.args.idle_s)
         engines = [f"127.0.0.1:{e['port']}" for e in self.config["node_agents"][0]["engines"]]
         null_proc, nulls = start_null(self.args.engines)
         self.others.append(null_proc)
@@ -489,6 +556,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true", help="only the streaming scenarios")
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), metavar="SCENARIO")
     parser.add_argument("--paths", nargs="+", default=ALL_PATHS, choices=ALL_PATHS, metavar="PATH")
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=30.0,
+        help="CPU of the mesh with no requests over this long first (0: not)",
+    )
     parser.add_argument("--output", help="also write the tables (markdown) to this file")
     parser.add_argument("--plot", help="write a PNG plot to this file")
     args = parser.parse_args(argv)
@@ -514,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.stop()
     args.load_end = os.getloadavg()[0]
     text = tables(results, args) + "\n" + verdicts(results)
+    if bench.idle is not None:
+        text += "\n\n" + idle_table(bench.idle)
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")
