@@ -15,6 +15,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -141,6 +142,18 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
     ),
 ]
 
+#: The order the steps run in (the report keeps STEPS' order): the real-time steps first, while the machine is quiet;
+#: the replicas step (four coordinators saturating both cores) just before the simulator's steps, whose results do not
+#: depend on the load average, so that its load has decayed by the next real-time step; the chaos soak (about 20
+#: processes) last, with nothing after it to wait for the load it leaves.
+RUN_ORDER = [
+    "overhead", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
+    "simengine", "conductor", "replicas", "signal", "routing", "fleet_pd", "lora", "scale", "chaos",
+]  # fmt: skip
+
+#: Lines of a failed step's stderr kept (printed and written to `<step>.stderr.txt` beside its stdout).
+STDERR_TAIL_LINES = 40
+
 #: Steps timed on the wall clock (engines, meshes, routers, real-time replays): each starts only once the load
 #: average has fallen to SETTLED_LOAD (the simulator's steps keep both cores busy), waiting at most `--settle-s`.
 REAL_TIME = {
@@ -164,6 +177,38 @@ def settle(limit_s: float, poll_s: float = 2.0) -> float:
     while os.getloadavg()[0] > SETTLED_LOAD and time.monotonic() < deadline:
         time.sleep(poll_s)
     return round(os.getloadavg()[0], 2)
+
+
+def _run_position(step: tuple) -> int:
+    """Where a step runs: its place in RUN_ORDER (a step missing there runs after the others, in STEPS' order)."""
+    return RUN_ORDER.index(step[0]) if step[0] in RUN_ORDER else len(RUN_ORDER)
+
+
+def run_step(argv: list[str]) -> tuple[int, str, str]:
+    """Runs `python -m <argv>`: its exit code, its stdout, and the last `STDERR_TAIL_LINES` lines of its stderr, which
+    is also passed through as it comes (progress bars included)."""
+    proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    chunks: list[bytes] = []
+    tail = bytearray()
+
+    def pump_stderr() -> None:
+        assert proc.stderr is not None
+        while chunk := proc.stderr.read1(65536):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+            tail.extend(chunk)
+            del tail[: max(0, len(tail) - 65536)]
+
+    pump = threading.Thread(target=pump_stderr, daemon=True)
+    pump.start()
+    while chunk := proc.stdout.read1(65536):
+        chunks.append(chunk)
+    returncode = proc.wait()
+    pump.join()
+    lines = tail.decode(errors="replace").replace("\r", "\n").splitlines()
+    kept = [line for line in lines if line.strip()][-STDERR_TAIL_LINES:]
+    return returncode, b"".join(chunks).decode(errors="replace"), "\n".join(kept) + "\n"
 
 
 def _run(cmd: list[str]) -> str:
@@ -252,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         args.only = args.only or [name for name, _, _ in args.record]
-    for name, title, argv_tpl, _piece in STEPS:
+    for name, title, argv_tpl, _piece in sorted(STEPS, key=_run_position):
         if (
             args.report_only
             or (args.only and name not in args.only)
@@ -273,12 +318,17 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", *argv_], stdout=subprocess.PIPE, text=True)
-        (out / f"{name}.stdout.txt").write_text(proc.stdout)
+        returncode, stdout, stderr_tail = run_step(argv_)
+        (out / f"{name}.stdout.txt").write_text(stdout)
+        stderr_path = out / f"{name}.stderr.txt"
+        stderr_path.unlink(missing_ok=True)
+        if returncode != 0:
+            stderr_path.write_text(stderr_tail)
+            print(f"== {name} failed; the end of its stderr:\n{stderr_tail}", file=sys.stderr, flush=True)
         meta[name] = {
             "command": shown,
             "seconds": round(time.monotonic() - t0, 1),
-            "exit": proc.returncode,
+            "exit": returncode,
             "finished": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
             "load_before": load_before,
             "settled_s": round(waited),
@@ -286,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         print(
-            f"== {name}: exit {proc.returncode}, {meta[name]['seconds']:.0f} s, load average "
+            f"== {name}: exit {returncode}, {meta[name]['seconds']:.0f} s, load average "
             f"{load_before} -> {meta[name]['load_after']}",
             file=sys.stderr,
             flush=True,
         )
-        if proc.returncode != 0:
+        if returncode != 0:
             failed.append(name)
     total = time.monotonic() - total0
     sections = []

@@ -29,6 +29,16 @@ def test_a_failing_step_fails_the_run_and_the_report_says_so(tmp_path, steps):
     assert {"load_before", "load_after"} <= set(meta["broken"])
     report = (tmp_path / "benchmarks.md").read_text()
     assert "**This step failed" in report and "## Fails" in report
+    assert "missing.json" in (tmp_path / "bench" / "broken.stderr.txt").read_text()  # why, kept
+    assert not (tmp_path / "bench" / "ok.stderr.txt").exists()
+
+
+def test_every_step_has_its_place_in_the_run_order_and_chaos_runs_last():
+    assert sorted(bench_all.RUN_ORDER) == sorted(name for name, *_ in bench_all.STEPS)
+    assert bench_all.RUN_ORDER[-1] == "chaos"
+    real_time = [n for n in bench_all.RUN_ORDER if n in bench_all.REAL_TIME]
+    # the real-time steps but the last run before the replicas step, which the simulator's steps follow
+    assert bench_all.RUN_ORDER.index("replicas") == max(bench_all.RUN_ORDER.index(n) for n in real_time[:-1])
 
 
 def test_a_run_whose_steps_all_pass_succeeds(tmp_path, steps):
