@@ -79,23 +79,17 @@ IDLE_GOAL_PCT = 0.5  # issue 24: agent and engine together, per idle engine, % o
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process and its descendants (reaped ones included)."""
-    total = 0.0
-    for p in [pid, *_descendants(pid)]:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += sum(int(x) for x in fields[11:15]) / _TICK
-    return total
+    return sum(own_cpu_seconds(p, reaped_children=True) for p in [pid, *_descendants(pid)])
 
 
-def own_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process alone (0 when it is gone)."""
+def own_cpu_seconds(pid: int, reaped_children: bool = False) -> float:
+    """User + system CPU time of one process (0 when it is gone); with `reaped_children`, plus that of its children
+    that have exited and been waited for."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return sum(int(x) for x in fields[11 : 15 if reaped_children else 13]) / _TICK
 
 
 @dataclass

@@ -130,11 +130,13 @@ class EngineSupervisor:
             params.load_interval_s or params.probe_interval_s
         )  # how often `/metrics` is read
         # Read idle engines less often only where their KV events say when work begins (`activity`).
-        relayed = engine is not None and engine.kv_events and bool(spec.kv_events)
+        relayed = bool(spec.kv_events)
         self.idle_load_interval_s = (params.idle_load_interval_s if relayed else None) or self.load_interval_s
         self.on_load: Callable[[EngineSupervisor], None] | None = None  # after a scrape that found news
         self.scrapes = 0  # successful `/metrics` reads since the agent started
-        self._idle = False  # the last scrape found the engine idle (`engine_idle`)
+        self.idle = (
+            False  # the last read found the engine idle (`engine_idle`): read every idle_load_interval_s
+        )
         self._wake: asyncio.Event | None = None  # set by `activity` to read an idle engine at once
         self._answered_at = 0.0  # loop time of the last answered health probe
         self._failed = 0  # health probes failed in a row since then
@@ -166,11 +168,6 @@ class EngineSupervisor:
     def restarts(self) -> int:
         """Restarts so far (carried over from the agent that launched an adopted process)."""
         return self.tracker.restarts
-
-    @property
-    def idle(self) -> bool:
-        """The last read of its `/metrics` found the engine idle (`engine_idle`): read every `idle_load_interval_s`."""
-        return self._idle
 
     @property
     def base_url(self) -> str:
@@ -434,7 +431,7 @@ class EngineSupervisor:
                     scraped_at = loop.time()
                     if self.healthy and await self._scrape(http) and self.on_load is not None:
                         self.on_load(self)
-                    interval = self.idle_load_interval_s if self._idle else self.load_interval_s
+                    interval = self.idle_load_interval_s if self.idle else self.load_interval_s
                     next_scrape = scraped_at + interval
         finally:
             woken.cancel()
@@ -545,7 +542,7 @@ class EngineSupervisor:
     def activity(self) -> None:
         """The engine published KV events: an idle one has begun to work, so it is read now, not at the end of
         `idle_load_interval_s`."""
-        if self._idle and self._wake is not None:
+        if self.idle and self._wake is not None:
             self._wake.set()
 
     async def _scrape(self, http: aiohttp.ClientSession) -> bool:
@@ -562,8 +559,8 @@ class EngineSupervisor:
             return False
         previous, self.load = self.load, load
         self.scrapes += 1
-        self._idle = engine_idle(previous, load)
-        return not (self._idle and same_load(previous, load))
+        self.idle = engine_idle(previous, load)
+        return not (self.idle and same_load(previous, load))
 
     async def _terminate(self) -> None:
         if self.process is not None:
