@@ -425,7 +425,8 @@ class Decider:
         deadline = time.monotonic() + self.end_lag_s
         while self.quotas.full(tenant) and (left := deadline - time.monotonic()) > 0:
             try:
-                await asyncio.wait_for(self._ended.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._ended.wait()
             except TimeoutError:
                 return
 

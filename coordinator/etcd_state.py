@@ -249,7 +249,8 @@ class EtcdState:
         async def probe() -> None:  # a watch on a dead etcd may just stay silent: ask every second
             while True:
                 await asyncio.sleep(1.0)
-                await asyncio.wait_for(self.client.status(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self.client.status()
 
         tasks = [asyncio.create_task(follow()), asyncio.create_task(probe())]
         try:
@@ -260,7 +261,8 @@ class EtcdState:
             for task in tasks:
                 task.cancel()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(watch.cancel(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await watch.cancel()
         raise ConnectionError("etcd watch ended")
 
     def _scheduler(self, value: bytes) -> None:

@@ -179,7 +179,8 @@ class FlowGate:
         passed: Pass | None = None
         try:
             try:
-                await asyncio.wait_for(future, entry.deadline - now)
+                async with asyncio.timeout(entry.deadline - now):
+                    await future
             except TimeoutError:
                 if entry.queued:
                     expired = queue.expire(entry)

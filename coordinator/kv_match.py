@@ -68,7 +68,8 @@ class ConductorMatcher:
         while True:
             try:
                 async with aio_channel(self.address, self.tls, "conductor") as channel:
-                    await asyncio.wait_for(channel.channel_ready(), 5)
+                    async with asyncio.timeout(5):
+                        await channel.channel_ready()
                     call = conductor_pb2_grpc.ConductorStub(channel).Match(self._requests())
                     self.connected = True
                     backoff = 0.1
@@ -136,7 +137,8 @@ class ConductorMatcher:
             request.token_ids.extend(token_ids)
         self._outbox.put_nowait(request)
         try:
-            reply = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                reply = await asyncio.shield(fut)
         except TimeoutError:
             metrics.MATCH_FALLBACKS.labels("timeout").inc()
             return None

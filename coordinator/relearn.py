@@ -38,7 +38,8 @@ class RelearnWindow:
             return False
         self._registered.clear()
         try:
-            await asyncio.wait_for(self._registered.wait(), remaining)
+            async with asyncio.timeout(remaining):
+                await self._registered.wait()
         except TimeoutError:
             return False
         return True

@@ -135,7 +135,7 @@ class CoordinatorLink:
         self._channel = aio_channel(address, tls, "coordinator", CHANNEL_OPTIONS)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._wake = asyncio.Event()
-        self._outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] | None = None  # of the open stream
+        self._outbox: asyncio.Queue[registry_pb2.HeartbeatRequest | None] | None = None  # of the open stream
 
     def load_reported(self, sup: EngineSupervisor) -> None:
         """Called after each scrape of an engine's `/metrics`: relays its load and progress counters at once (the
@@ -205,12 +205,12 @@ class CoordinatorLink:
                 await asyncio.sleep(delay)
 
     async def _stream(self) -> None:
-        outbox: asyncio.Queue[registry_pb2.HeartbeatRequest] = asyncio.Queue(maxsize=1024)
+        outbox: asyncio.Queue[registry_pb2.HeartbeatRequest | None] = asyncio.Queue(maxsize=1024)
         self._outbox = outbox
 
         async def requests():
-            while True:
-                yield await outbox.get()
+            while (message := await outbox.get()) is not None:  # None: the stream is over
+                yield message
 
         call = self._stub.Heartbeat(requests(), wait_for_ready=True)
 
@@ -237,11 +237,16 @@ class CoordinatorLink:
                             break
                     if iid in self.registered and not outbox.full():
                         outbox.put_nowait(heartbeat_message(sup))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.interval_s):
+                        await self._wake.wait()
             reader.result()
         finally:
             self._outbox = None
+            # Ends the request iterator, which gRPC would otherwise keep awaiting after the call is gone. A full
+            # outbox needs no end: gRPC's next write on the cancelled call ends it.
+            with contextlib.suppress(asyncio.QueueFull):
+                outbox.put_nowait(None)
             reader.cancel()
             call.cancel()
 

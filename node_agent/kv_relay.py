@@ -169,7 +169,8 @@ class KvEventRelay:
             if self._closed.is_set():
                 break
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), delay * (0.5 + random.random()))
+                async with asyncio.timeout(delay * (0.5 + random.random())):
+                    await self._closed.wait()
             delay = min(delay * 2, self.backoff_max_s)
 
     async def close(self) -> None:

@@ -205,7 +205,8 @@ class EngineProcess:
             return
         self.terminate()
         try:
-            await asyncio.wait_for(self.wait(), grace_s)
+            async with asyncio.timeout(grace_s):
+                await self.wait()
         except TimeoutError:
             self.kill()
             await self.wait()

@@ -603,7 +603,8 @@ def liveness_expired(answered_at: float, now: float, failed_probes: int, timeout
 async def _tcp_open(address: str) -> bool:
     host, port = split_host_port(address)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        async with asyncio.timeout(1.0):
+            _, writer = await asyncio.open_connection(host, port)
     except (TimeoutError, OSError):
         return False
     writer.close()

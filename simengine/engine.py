@@ -8,6 +8,7 @@ so each streaming response gets several tokens per wake-up: writes are batched, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -166,10 +167,9 @@ class Engine:
                     self._publish()
                 self._wake.clear()
                 if sched.remote_waiting:
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), 0.05)
-                    except TimeoutError:
-                        pass
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(0.05):
+                            await self._wake.wait()
                 else:
                     await self._wake.wait()
                 vclock = busy_since = loop.time()
@@ -184,10 +184,9 @@ class Engine:
             if out.is_empty:
                 self._update_gauges()
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 0.01)
-                except TimeoutError:
-                    pass
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.01):
+                        await self._wake.wait()
                 vclock = busy_since = loop.time()
                 continue
             dt = profile.step_s(

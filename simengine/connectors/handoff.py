@@ -190,16 +190,17 @@ class HandoffConnector(ConnectorBase):
     async def _pull(self, req: Request, params: dict) -> None:
         timeout = self.cfg.kv_transfer_timeout
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(params["remote_host"], params["remote_port"]), timeout
-            )
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(params["remote_host"], params["remote_port"])
             try:
                 header = {"op": "pull", "remote_request_id": params["remote_request_id"]}
                 writer.write(json.dumps(header).encode() + b"\n")
-                reply = json.loads(await asyncio.wait_for(reader.readline(), timeout))
+                async with asyncio.timeout(timeout):
+                    reply = json.loads(await reader.readline())
                 if not reply.get("ok"):
                     raise ConnectionError(reply.get("error", "pull refused"))
-                await asyncio.wait_for(reader.readexactly(reply["nbytes"]), timeout)
+                async with asyncio.timeout(timeout):
+                    await reader.readexactly(reply["nbytes"])
                 self._moved(params["remote_host"], reply["nbytes"])
                 if self.metrics.nixl_bytes_transferred is not None:
                     self.metrics.nixl_bytes_transferred.observe(reply["nbytes"])
@@ -224,13 +225,13 @@ class HandoffConnector(ConnectorBase):
             "nbytes": nbytes,
         }
         timeout = self.cfg.kv_transfer_timeout
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(params["remote_host"], int(params["remote_port"])), timeout
-        )
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(params["remote_host"], int(params["remote_port"]))
         try:
             writer.write(json.dumps(header).encode() + b"\n")
             await _write_bytes(writer, nbytes)
-            reply = json.loads(await asyncio.wait_for(reader.readline(), timeout) or b"{}")
+            async with asyncio.timeout(timeout):
+                reply = json.loads(await reader.readline() or b"{}")
             if not reply.get("ok"):
                 raise ConnectionError(reply.get("error", "push refused"))
             self._moved(params["remote_host"], nbytes)

@@ -94,7 +94,8 @@ class TriggerConnector(HandoffConnector):
                 copies = 2 if self.cfg.fault_duplicate_callbacks else 1
                 for _ in range(copies):
                     self._spawn(self._post_callback(params["metaserver"], body, fut, req.traceparent))
-            tokens = await asyncio.wait_for(asyncio.shield(fut), self.cfg.kv_transfer_timeout)
+            async with asyncio.timeout(self.cfg.kv_transfer_timeout):
+                tokens = await asyncio.shield(fut)
             if not req.is_finished:
                 self._done(req, True, tokens)
         except TimeoutError:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 import grpc
+import pytest
 
 from node_agent.config import EngineConfig, RestartPolicy
 from node_agent.coordinator_link import RECONNECT_S, CoordinatorLink, reconnect_delay
@@ -78,6 +79,30 @@ async def test_engines_are_registered_again_within_a_second_of_the_coordinator_c
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await link.close()
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("passes", [0, 1, 2, 3])
+async def test_a_link_cancelled_as_it_is_woken_stops(tmp_path, passes):
+    """The agent stops its link by cancelling it. A cancellation that arrives in the same loop pass as the wake it
+    waits on (a health change, a registration) must still stop it: Python 3.11's `asyncio.wait_for` returned the
+    wake and dropped the cancellation, so the link ran on and `await task` hung (it hung the CI run at 600 s)."""
+    port = free_port()
+    sup = running_engine(tmp_path)
+    server = await serve(FakeRegistry(), port)
+    link = CoordinatorLink(f"127.0.0.1:{port}", "n1", lambda: [sup])
+    task = asyncio.create_task(link.run())
+    try:
+        await eventually(lambda: link.registered and link._outbox.empty(), 5, "heartbeats flowing")
+        link._wake.set()
+        for _ in range(passes):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert done, f"the link ran on after its cancellation ({passes} loop passes after the wake)"
+    finally:
+        task.cancel()
         await link.close()
         await server.stop(0)
 
