@@ -342,6 +342,7 @@ def cmd_routing(args, progress=None) -> tuple[str, list]:
             (out_dir / "fleet-routing.partial.md").write_text(table(results) + "\n")
     met, blocks = goals_met(results)
     if out_dir is not None:
+        (out_dir / "fleet-routing.partial.md").unlink(missing_ok=True)  # the whole table follows
         plot_cache_sizes(results, out_dir / "fleet-routing.png")
     head = (
         f"Routing quality in the fleet simulator: {args.warm} measured requests per run after {args.warmup} that "
