@@ -212,6 +212,10 @@ def gauges(up: UpProcess) -> dict[str, float]:
     }
 
 
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
 def ms(value: float) -> str:
     return "-" if value != value else f"{value * 1000:.0f}"
 
@@ -294,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(
             f"{len(other)} requests failed otherwise: statuses {sorted({s.status for s in other})}"
         )
-    verdict = lambda ok: "met" if ok else "**missed**"  # noqa: E731
     lines = [
         f"`examples/tiers.yaml` under `tandem up` (4 simengines, ascend-910b timing, `--scheduling-policy priority`; "
         f"mutual TLS inside, API keys at Envoy), every listener on a free loopback port. Requests: {args.words} "
