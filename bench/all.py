@@ -46,6 +46,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "mtls.md",
     ),
     (
+        "kv_relay",
+        "KV events relayed and indexed: blocks per second and CPU per million blocks",
+        ["bench.kv_relay", "--output", "{out}/kv-relay.md"],
+        "kv-relay.md",
+    ),
+    (
         "signal",
         "The load signal: ledger prefill against the true queued prefill, and its drift",
         ["bench.fleet", "signal", "--output-dir", "{out}"],
@@ -148,7 +154,7 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
 #: processes) last, with nothing after it to wait for the load it leaves.
 RUN_ORDER = [
     "overhead", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
-    "simengine", "conductor", "replicas", "signal", "routing", "fleet_pd", "lora", "scale", "chaos",
+    "simengine", "conductor", "kv_relay", "replicas", "signal", "routing", "fleet_pd", "lora", "scale", "chaos",
 ]  # fmt: skip
 
 #: Lines of a failed step's stderr kept (printed and written to `<step>.stderr.txt` beside its stdout).
@@ -158,7 +164,7 @@ STDERR_TAIL_LINES = 40
 #: average has fallen to SETTLED_LOAD (the simulator's steps keep both cores busy), waiting at most `--settle-s`.
 REAL_TIME = {
     "overhead", "decision_stall", "mtls", "policies", "policies_pressure", "sli", "pd", "validate", "replicas",
-    "chaos", "simengine", "conductor",
+    "chaos", "simengine", "conductor", "kv_relay",
 }  # fmt: skip
 SETTLED_LOAD = 1.0
 

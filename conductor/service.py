@@ -93,28 +93,35 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
             )
         return True
 
+    def _batch(self, b: conductor_pb2.KvEventBatch, stream: AgentStream) -> None:
+        """One engine batch into the index; a gap queues a replay request for the stream's agent."""
+        if not b.instance_id or b.block_size == 0 or not b.model:
+            self.rejected_batches += 1
+            return
+        if self._foreign(stream, b.instance_id, b.dp_rank):
+            return
+        ask = self.core.batch(batch_from_pb(b), stream, can_replay=True)
+        if ask is None:
+            return
+        msg = conductor_pb2.IngestResponse(
+            replay=conductor_pb2.ReplayRequest(
+                instance_id=ask.instance_id, dp_rank=ask.dp_rank, from_sequence=ask.from_sequence
+            )
+        )
+        try:
+            stream.replies.put_nowait(msg)
+        except asyncio.QueueFull:  # the rank's replay times out and is cleared
+            self.dropped_replays += 1
+
     async def _read(self, request_iterator, stream: AgentStream) -> None:
         core = self.core
         async for req in request_iterator:
             kind = req.WhichOneof("message")
-            if kind == "batch":
-                b = req.batch
-                if not b.instance_id or b.block_size == 0 or not b.model:
-                    self.rejected_batches += 1
-                    continue
-                if self._foreign(stream, b.instance_id, b.dp_rank):
-                    continue
-                ask = core.batch(batch_from_pb(b), stream, can_replay=True)
-                if ask is not None:
-                    msg = conductor_pb2.IngestResponse(
-                        replay=conductor_pb2.ReplayRequest(
-                            instance_id=ask.instance_id, dp_rank=ask.dp_rank, from_sequence=ask.from_sequence
-                        )
-                    )
-                    try:
-                        stream.replies.put_nowait(msg)
-                    except asyncio.QueueFull:  # the rank's replay times out and is cleared
-                        self.dropped_replays += 1
+            if kind == "batches":
+                for b in req.batches.batches:
+                    self._batch(b, stream)
+            elif kind == "batch":
+                self._batch(req.batch, stream)
             elif kind == "replay_done":
                 d = req.replay_done
                 if not self._foreign(stream, d.instance_id, d.dp_rank):

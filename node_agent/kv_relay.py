@@ -14,7 +14,14 @@ the conductor. One `Ingest` stream carries every rank of the node:
 - while a rank replays, its live batches are held (bounded) and released after the replay, so the conductor sees
   the rank's batches in order.
 
-Queues are bounded; overflow is dropped and counted (the conductor sees the gap and asks for a replay).
+Batches waiting in the queue when the stream takes the next message travel together (`KvEventBatches`, at most
+`COALESCE_BATCHES` or about `COALESCE_BYTES`): one gRPC message per burst rather than per engine step, which is
+what bounds the relay's rate when engines are busy.
+
+Queues are bounded. While the stream is up, live readers stop reading once `READ_AHEAD` messages wait (the engine's
+publisher and ZMQ buffer meanwhile, as for any slow subscriber), so a burst costs no replay and the index stays
+fresh; what overflows anyway (the publisher's own high-water mark) is a gap the conductor asks to replay. While the
+stream is down, a message that finds the queue full is dropped and counted.
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ from tandem.tls import TlsFiles, aio_channel
 from tandem.v1 import conductor_pb2, conductor_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+#: At most this many queued batches, or about this many bytes (under gRPC's 4 MiB), in one `Ingest` message.
+COALESCE_BATCHES = 64
+COALESCE_BYTES = 1 << 20
+#: While the stream is up, live readers wait once this many messages are queued: a backlog waits in ZMQ, compact
+#: and bounded by the engine's high-water mark, and what is queued reaches the index within a few messages.
+READ_AHEAD = 4 * COALESCE_BATCHES
 
 #: gRPC's reconnect backoff (default: 1 s growing to 120 s) capped: a conductor back up is seen within a second.
 CHANNEL_OPTIONS = [
@@ -87,7 +101,13 @@ class KvEventRelay:
         self.backoff_max_s = backoff_max_s
         self.ctx = zmq.asyncio.Context()
         self.sources: dict[tuple[str, int], _Source] = {}
-        self._out: asyncio.Queue[conductor_pb2.IngestRequest] = asyncio.Queue(maxsize=queue_size)
+        # engine batches, and the control messages (`ReplayDone`, `InstanceGone`) in order between them
+        self._out: asyncio.Queue[conductor_pb2.KvEventBatch | conductor_pb2.IngestRequest] = asyncio.Queue(
+            maxsize=queue_size
+        )
+        self._room = (
+            asyncio.Event()
+        )  # set when `_out` may have room again (a message taken, or the stream down)
         self._running = False
         self._closed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -96,6 +116,7 @@ class KvEventRelay:
         self.connects = 0  # streams opened since start
         # counters (exported by the node agent)
         self.batches_sent = 0
+        self.messages_sent = 0  # `Ingest` messages carrying batches (several batches each in a burst)
         self.dropped = 0  # batches or messages dropped on a full queue
         self.decode_errors = 0
         self.replays = 0
@@ -166,6 +187,7 @@ class KvEventRelay:
                 log.exception("conductor stream failed", extra={"conductor": self.conductor_address})
             finally:
                 self.connected.clear()
+                self._room.set()  # readers held back by a full queue go on (and drop) while the stream is down
             if self._closed.is_set():
                 break
             with contextlib.suppress(TimeoutError):
@@ -236,10 +258,7 @@ class KvEventRelay:
         kept = []
         while not self._out.empty():
             msg = self._out.get_nowait()
-            if (
-                msg.WhichOneof("message") == "batch"
-                and (msg.batch.instance_id, msg.batch.dp_rank) in replayable
-            ):
+            if isinstance(msg, conductor_pb2.KvEventBatch) and (msg.instance_id, msg.dp_rank) in replayable:
                 continue
             kept.append(msg)
         for msg in kept:
@@ -257,8 +276,33 @@ class KvEventRelay:
         t.add_done_callback(src.replays.discard)
 
     async def _requests(self):
+        """The stream's messages: a control message alone, batches together with those queued behind them."""
+        pending = None  # a control message taken while coalescing: it follows the batches before it
         while True:
-            yield await self._out.get()
+            item = pending if pending is not None else await self._out.get()
+            pending = None
+            if isinstance(item, conductor_pb2.IngestRequest):
+                self._room.set()
+                yield item
+                continue
+            batches, size = [item], item.ByteSize()
+            while len(batches) < COALESCE_BATCHES and size < COALESCE_BYTES and not self._out.empty():
+                item = self._out.get_nowait()
+                if isinstance(item, conductor_pb2.IngestRequest):
+                    pending = item
+                    break
+                batches.append(item)
+                size += item.ByteSize()
+            self._room.set()
+            self.messages_sent += 1
+            self.batches_sent += len(batches)
+            yield conductor_pb2.IngestRequest(batches=conductor_pb2.KvEventBatches(batches=batches))
+
+    async def _wait_for_room(self) -> None:
+        """Holds a live reader back while the stream is up and `READ_AHEAD` messages wait (back-pressure into ZMQ)."""
+        while self.connected.is_set() and self._out.qsize() >= min(READ_AHEAD, self.queue_size):
+            self._room.clear()
+            await self._room.wait()
 
     async def _read_replies(self, call) -> None:
         async for resp in call:
@@ -270,7 +314,7 @@ class KvEventRelay:
                 else:
                     self._spawn_replay(src, r.from_sequence, announce=True)
 
-    def _send(self, msg: conductor_pb2.IngestRequest) -> bool:
+    def _send(self, msg: conductor_pb2.KvEventBatch | conductor_pb2.IngestRequest) -> bool:
         try:
             self._out.put_nowait(msg)
             return True
@@ -280,13 +324,12 @@ class KvEventRelay:
 
     # -- engines --------------------------------------------------------------------------------------------------
 
-    def _to_request(
+    def _to_batch(
         self, src: _Source, seq: int, payload: bytes, replayed: bool
-    ) -> conductor_pb2.IngestRequest | None:
+    ) -> conductor_pb2.KvEventBatch | None:
         try:
-            batch = decode_batch(payload)
-            pb = batch_to_pb(
-                batch, src.instance_id, src.dp_rank, seq, src.model, src.block_size, replayed,
+            return batch_to_pb(
+                decode_batch(payload), src.instance_id, src.dp_rank, seq, src.model, src.block_size, replayed,
                 self.capacity.get(src.instance_id, 0),
             )  # fmt: skip
         except (KvEventDecodeError, OverflowError, TypeError, ValueError) as exc:
@@ -294,7 +337,6 @@ class KvEventRelay:
             self.decode_errors += 1
             log.warning("undecodable KV event batch", extra={"instance_id": src.instance_id, "err": str(exc)})
             return None
-        return conductor_pb2.IngestRequest(batch=pb)
 
     async def _read_live(self, src: _Source) -> None:
         async with contextlib.aclosing(live_batches(self.ctx, src.endpoint)) as batches:
@@ -305,16 +347,20 @@ class KvEventRelay:
                 seq, payload = item
                 if self.on_activity is not None:
                     self.on_activity(src.instance_id)
-                req = self._to_request(src, seq, payload, replayed=False)
-                if req is None:
+                batch = self._to_batch(src, seq, payload, replayed=False)
+                if batch is None:
                     continue
+                if not src.holding:
+                    await (
+                        self._wait_for_room()
+                    )  # nothing awaited between it and the send: the room stays free
                 if src.holding:
                     if len(src.held) >= self.queue_size:
                         self.dropped += 1
                     else:
-                        src.held.append((seq, req))
-                elif self._send(req):
-                    self.batches_sent += 1
+                        src.held.append((seq, batch))
+                else:
+                    self._send(batch)
 
     async def _replay(self, src: _Source, from_seq: int, announce: bool) -> None:
         """Replays one rank from `from_seq`; `announce` ends it with `ReplayDone` (the conductor asked)."""
@@ -329,9 +375,9 @@ class KvEventRelay:
                     async with contextlib.aclosing(replies):  # closes the DEALER even when cancelled
                         async for seq, payload in replies:
                             first = seq if first is None else first
-                            req = self._to_request(src, seq, payload, replayed=True)
-                            if req is not None:
-                                await self._out.put(req)  # back-pressure: live batches are held meanwhile
+                            batch = self._to_batch(src, seq, payload, replayed=True)
+                            if batch is not None:
+                                await self._out.put(batch)  # back-pressure: live batches are held meanwhile
                                 last = seq
             except (TimeoutError, zmq.ZMQError, KvEventDecodeError) as exc:
                 log.warning("replay failed", extra={"instance_id": src.instance_id, "err": str(exc)})
@@ -341,9 +387,9 @@ class KvEventRelay:
                 src.holding = False
             if announce:
                 await self._out.put(_replay_done(src.instance_id, src.dp_rank, first == from_seq))
-            for seq, req in held:
-                if seq > last and self._send(req):
-                    self.batches_sent += 1
+            for seq, batch in held:
+                if seq > last:
+                    self._send(batch)
             log.info(
                 "replayed",
                 extra={

@@ -39,6 +39,8 @@ class AgentCollector:
         yield scrapes
         yield CounterMetricFamily("tandem_node_agent_kv_batches_relayed", "KV event batches sent to the conductor",
                                   value=sum(r.batches_sent for r in relays))  # fmt: skip
+        yield CounterMetricFamily("tandem_node_agent_kv_messages", "Ingest messages sent (queued batches travel together)",
+                                  value=sum(r.messages_sent for r in relays))  # fmt: skip
         yield CounterMetricFamily("tandem_node_agent_kv_batches_dropped", "KV event batches dropped on a full queue",
                                   value=sum(r.dropped for r in relays))  # fmt: skip
         yield CounterMetricFamily("tandem_node_agent_kv_decode_errors", "Engine KV event messages that did not decode",

@@ -3,6 +3,7 @@ agent's relay and the conductor's direct mode. The wire itself is decoded by `ta
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator
 
 import zmq
@@ -11,6 +12,7 @@ import zmq.asyncio
 from tandem.kv_events import KvEventDecodeError, encode_seq, split_message, split_replay_reply
 
 END = -1  # sequence of the replay end marker
+BURST = 64  # live messages read in one go when the engine published faster than they were read
 
 
 async def live_batches(
@@ -22,15 +24,21 @@ async def live_batches(
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
     sub.connect(endpoint)
+    now: zmq.Socket = zmq.Socket.shadow(sub.underlying)  # the same socket, read without a future per message
     try:
         while True:
-            frames = await sub.recv_multipart()
-            try:
-                _, seq, payload = split_message(frames)
-            except KvEventDecodeError:
-                yield None
-                continue
-            yield seq, payload
+            burst = [await sub.recv_multipart()]
+            # What else is queued, up to a bound (the loop's other tasks run between bursts), costs no loop pass.
+            with contextlib.suppress(zmq.Again):
+                while len(burst) < BURST:
+                    burst.append(now.recv_multipart(zmq.NOBLOCK))
+            for frames in burst:
+                try:
+                    _, seq, payload = split_message(frames)
+                except KvEventDecodeError:
+                    yield None
+                    continue
+                yield seq, payload
     finally:
         sub.close(0)
 

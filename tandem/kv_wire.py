@@ -47,28 +47,52 @@ def events_from_pb(events) -> list[KvEvent]:
     return out
 
 
-def event_to_pb(ev: KvEvent) -> conductor_pb2.KvEvent:
-    """A core event as a `KvEvent` message (the node agent's direction)."""
+def fill_event(target: conductor_pb2.KvEvent, ev: KvEvent) -> None:
+    """Writes a core event into `target`, a `KvEvent` message in place (the node agent's direction)."""
     if isinstance(ev, BlockStored):
-        stored = conductor_pb2.BlockStored(
-            block_hashes=ev.block_hashes,
-            token_ids_le32=token_bytes(ev.token_ids),
-            block_size=ev.block_size,
-            medium=_pb_medium(ev.medium),
-            lora_name=ev.lora_name or "",
-        )
+        stored = target.block_stored
+        stored.block_hashes.extend(ev.block_hashes)
+        stored.token_ids_le32 = token_bytes(ev.token_ids)
+        stored.block_size = ev.block_size
+        stored.medium = _pb_medium(ev.medium)
+        if ev.lora_name:
+            stored.lora_name = ev.lora_name
         if ev.parent_block_hash is not None:
             stored.parent_block_hash = ev.parent_block_hash
         if ev.lora_id is not None:
             stored.lora_id = ev.lora_id
-        return conductor_pb2.KvEvent(block_stored=stored)
-    if isinstance(ev, BlockRemoved):
-        return conductor_pb2.KvEvent(
-            block_removed=conductor_pb2.BlockRemoved(
-                block_hashes=ev.block_hashes, medium=_pb_medium(ev.medium)
-            )
-        )
-    return conductor_pb2.KvEvent(all_blocks_cleared=conductor_pb2.AllBlocksCleared())
+    elif isinstance(ev, BlockRemoved):
+        removed = target.block_removed
+        removed.block_hashes.extend(ev.block_hashes)
+        removed.medium = _pb_medium(ev.medium)
+    else:
+        target.all_blocks_cleared.SetInParent()
+
+
+def fill_batch(
+    target: conductor_pb2.KvEventBatch,
+    batch: EventBatch,
+    instance_id: str,
+    dp_rank: int,
+    sequence: int,
+    model: str,
+    block_size: int,
+    replayed: bool,
+    capacity_blocks: int = 0,
+) -> None:
+    """Writes a decoded engine batch into `target`, a `KvEventBatch` message in place: built where it is sent (a
+    message inside a coalesced one) rather than built and copied there."""
+    target.instance_id = instance_id
+    target.dp_rank = dp_rank
+    target.sequence = sequence
+    target.model = model
+    target.block_size = block_size
+    target.replayed = replayed
+    target.capacity_blocks = capacity_blocks
+    for ev in batch.events:
+        fill_event(target.events.add(), ev)
+    if batch.ts > 0:
+        target.engine_time.FromNanoseconds(int(batch.ts * 1e9))
 
 
 def batch_to_pb(
@@ -81,17 +105,7 @@ def batch_to_pb(
     replayed: bool,
     capacity_blocks: int = 0,
 ) -> conductor_pb2.KvEventBatch:
-    """A decoded engine batch as a `KvEventBatch` message."""
-    msg = conductor_pb2.KvEventBatch(
-        instance_id=instance_id,
-        dp_rank=dp_rank,
-        sequence=sequence,
-        model=model,
-        block_size=block_size,
-        events=[event_to_pb(e) for e in batch.events],
-        replayed=replayed,
-        capacity_blocks=capacity_blocks,
-    )
-    if batch.ts > 0:
-        msg.engine_time.FromNanoseconds(int(batch.ts * 1e9))
+    """A decoded engine batch as a new `KvEventBatch` message."""
+    msg = conductor_pb2.KvEventBatch()
+    fill_batch(msg, batch, instance_id, dp_rank, sequence, model, block_size, replayed, capacity_blocks)
     return msg

@@ -100,6 +100,27 @@ async def test_agent_stream_ending_mid_replay_clears_that_rank(conductor_server)
     assert conductor_server.conductor.service.rejected_batches == 1
 
 
+async def test_coalesced_batches_apply_in_order_as_if_sent_one_by_one(conductor_server):
+    ingest = conductor_server.stub.Ingest()
+    rejected = ingest_batch("z", 0, [block_stored([1], None, PROMPT[:4])]).batch
+    rejected.block_size = 0
+    batches = [
+        ingest_batch("a", 0, [block_stored([1, 2], None, PROMPT[:8])]).batch,
+        rejected,  # counted and skipped; the batches after it still apply
+        ingest_batch("a", 1, [block_stored([3], 2, PROMPT[8:12])]).batch,
+        ingest_batch(
+            "a", 3, [block_stored([9], None, PROMPT[:4], common_pb2.MEDIUM_CPU)]
+        ).batch,  # 2 is missing
+    ]
+    await ingest.write(conductor_pb2.IngestRequest(batches=conductor_pb2.KvEventBatches(batches=batches)))
+    reply = await ingest.read()
+    assert reply.replay == conductor_pb2.ReplayRequest(instance_id="a", dp_rank=0, from_sequence=2)
+    s = await conductor_server.wait_stats(lambda s: s.events_total == 2)
+    assert (s.npu_blocks, s.cpu_blocks, s.gaps) == (3, 0, 1)  # the batch after the gap waits for the replay
+    assert conductor_server.conductor.service.rejected_batches == 1
+    await ingest.done_writing()
+
+
 def test_metrics_collector_exposes_figures():
     from prometheus_client import CollectorRegistry, generate_latest
 

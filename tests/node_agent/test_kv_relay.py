@@ -11,6 +11,8 @@ import zmq.asyncio
 from conductor.config import ConductorConfig
 from conductor.match import match
 from node_agent.kv_relay import KvEventRelay
+from tandem.kv_events import EventBatch
+from tandem.kv_wire import batch_to_pb
 from tests.conductor.fake_engine import FakeEngine, removed, stored  # one copy of the wire format
 from tests.helpers import ConductorServer, eventually
 
@@ -109,6 +111,53 @@ async def test_restarted_conductor_rebuilds_from_replay(env):
     engine.publish([stored([5], None, PROMPT[:4], BS, "STORAGE")])  # live events flow again
     await eventually(lambda: events(server) == 4)
     assert server.conductor.core.tracker.counters.gaps == 0
+
+
+async def test_a_burst_waits_in_zmq_rather_than_being_dropped_and_replayed():
+    ctx = zmq.asyncio.Context()
+    engine = FakeEngine(ctx, topic=b"")
+    server = ConductorServer(ConductorConfig(replay_timeout_s=10))
+    await server.start()
+    relay = KvEventRelay(server.address, "node-1", queue_size=2)  # a burst of 300 cannot fit
+    relay.add_source("inst-1", "m", BS, 0, engine.endpoint, engine.replay_endpoint)
+    task = asyncio.create_task(relay.run())
+    try:
+        await engine.wait_subscriber()
+        await eventually(lambda: engine.replay_requests == [0] and relay.connected.is_set())
+        for i in range(300):
+            engine.publish([stored([1000 + i], None, [i, i, i, i], BS)])
+        await eventually(lambda: events(server) == 300)
+        assert (relay.dropped, server.conductor.core.tracker.counters.gaps, engine.replay_requests) == (
+            0,
+            0,
+            [0],
+        )
+        assert relay.batches_sent == 300
+    finally:
+        await relay.close()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop()
+        await engine.close()
+        ctx.destroy(linger=0)
+
+
+async def test_queued_batches_travel_together_and_keep_their_order_with_control_messages():
+    relay = KvEventRelay("127.0.0.1:1", "node-x")  # nothing is sent: the stream's messages are read here
+    batch = lambda seq: batch_to_pb(EventBatch(0.0, []), "inst-1", 0, seq, "m", BS, False)  # noqa: E731
+    relay._send(batch(0))
+    relay._send(batch(1))
+    relay.remove_source("gone")  # InstanceGone, queued between the batches
+    relay._send(batch(2))
+    messages = relay._requests()
+    first, second, third = [await anext(messages) for _ in range(3)]
+    assert [b.sequence for b in first.batches.batches] == [0, 1]
+    assert second.instance_gone.instance_id == "gone"
+    assert [b.sequence for b in third.batches.batches] == [2]
+    assert (relay.messages_sent, relay.batches_sent) == (2, 3)
+    await messages.aclose()
+    await relay.close()
 
 
 async def test_queue_is_bounded_and_drops_are_counted():
