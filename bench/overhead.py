@@ -171,6 +171,7 @@ class PathStats:
     busy_s: float = 0.0
     cpu_s: float = 0.0
     cpu_by: dict[str, float] = field(default_factory=dict)  # per process, when the router has several
+    agent_s: float = 0.0  # Tandem's node agents (their own CPU, not their engines'): the rest of the mesh
 
     @staticmethod
     def pct(values: list[float], q: int) -> float:
@@ -261,6 +262,7 @@ class Bench:
         self.registrars: list[Registrar] = []
         self.policy = "least_load"
         self.idle: Idle | None = None
+        self.agent_pids: list[int] = []
 
     def set_policy(self, policy: str) -> None:
         """Switches Tandem's policy through a config reload (the coordinator polls the file every second)."""
@@ -310,6 +312,7 @@ class Bench:
             for c in self.mesh.components
             if c.name in ("envoy", "coordinator", "conductor")
         }
+        self.agent_pids = [c.process.pid for c in self.mesh.components if c.name.startswith("agent-")]
         mesh_url = f"http://{self.config['envoy']['http_listen']}/v1/completions"
         paths = []
         for name in self.args.paths:
@@ -376,13 +379,16 @@ class Bench:
                     if p.policy:
                         self.set_policy(p.policy)
                     pids = p.pids[upstream]
+                    agents = self.agent_pids if p.policy else []
                     before = {n: cpu_seconds(pid) for n, pid in pids.items()}
+                    agents_before = sum(own_cpu_seconds(pid) for pid in agents)
                     st = stats[p.name]
                     asyncio.run(run_round(p.urls[upstream], per_round, concurrency, body, st, stream, fresh))
                     for n, pid in pids.items():
                         used = cpu_seconds(pid) - before[n]
                         st.cpu_s += used
                         st.cpu_by[n] = st.cpu_by.get(n, 0.0) + used
+                    st.agent_s += sum(own_cpu_seconds(pid) for pid in agents) - agents_before
                     if progress is not None:
                         progress(per_round)
             out[scenario] = stats
@@ -428,11 +434,9 @@ def tables(results: dict[str, dict[str, PathStats]], args) -> str:
             if name != "direct" and s.latencies:
                 cpu = f"{s.cpu_s / len(s.latencies) * 1000:.2f}"
                 if len(s.cpu_by) > 1:
-                    cpu += (
-                        " ("
-                        + ", ".join(f"{n} {v / len(s.latencies) * 1000:.2f}" for n, v in s.cpu_by.items())
-                        + ")"
-                    )
+                    k = 1000 / len(s.latencies)
+                    cpu += " (" + ", ".join(f"{n} {v * k:.2f}" for n, v in s.cpu_by.items())
+                    cpu += f"; node agent {s.agent_s * k:.2f}, whole mesh {(s.cpu_s + s.agent_s) * k:.2f})"
             lines.append(row + f" {cpu} |")
     return "\n".join(lines)
 
@@ -499,6 +503,41 @@ def verdicts(results: dict[str, dict[str, PathStats]]) -> str:
         "|---|---|---:|---:|---:|---|",
     ]
     return "\n".join(head + rows)
+
+
+def verdicts_24(results: dict[str, dict[str, PathStats]]) -> str:
+    """Issue 24's per-request goals against this run, for Tandem's default policy (kv_affinity) on its default path."""
+    name = "tandem kv_affinity"
+    rows = []
+    plain = results.get("non-streaming", {})
+    serial = results.get("non-streaming, concurrency 1", {})
+    if name in plain:
+        s = plain[name]
+        router = _cpu(s)
+        best = min((_cpu(plain[n]) for n in plain if n in PEERS), default=float("nan"))
+        rows.append(
+            f"| Envoy + coordinator + conductor <= 2x the best peer's whole router (CPU s / 1k requests) | "
+            f"{router:.2f} | {2 * best:.2f} (2 x {best:.2f}) | {'met' if router <= 2 * best else 'not met'} |"
+        )
+        whole = (s.cpu_s + s.agent_s) / len(s.latencies) * 1000 if s.latencies else float("nan")
+        rows.append(
+            f"| the whole mesh, node agent included, <= 1.0 CPU s / 1k requests | {whole:.2f} | 1.00 | "
+            f"{'met' if whole <= 1.0 else 'not met'} |"
+        )
+    if name in serial:
+        added = _added(serial, name, "latencies")
+        rows.append(
+            f"| added p50 <= +1 ms at concurrency 1 | {added:+.2f} | +1.00 | {'met' if added <= 1.0 else 'not met'} |"
+        )
+    head = [
+        "",
+        "**Issue 24's goals in this run** (non-streaming, Tandem's default policy `kv_affinity`; components speak plain "
+        "text here, as the peers do: mutual TLS adds its own cost, measured by `bench.mtls`):",
+        "",
+        "| goal | tandem | bar | verdict |",
+        "|---|---:|---:|---|",
+    ]
+    return "\n".join(head + rows) if rows else ""
 
 
 def plot(results: dict[str, dict[str, PathStats]], path: Path) -> None:
@@ -580,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bench.stop()
     args.load_end = os.getloadavg()[0]
-    text = tables(results, args) + "\n" + verdicts(results)
+    text = tables(results, args) + "\n" + verdicts(results) + "\n" + verdicts_24(results)
     if bench.idle is not None:
         text += "\n\n" + idle_table(bench.idle)
     print(text)
