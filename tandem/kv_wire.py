@@ -47,10 +47,11 @@ def events_from_pb(events) -> list[KvEvent]:
     return out
 
 
-def fill_event(target: conductor_pb2.KvEvent, ev: KvEvent) -> None:
-    """Writes a core event into `target`, a `KvEvent` message in place (the node agent's direction)."""
+def _fill_event(target: conductor_pb2.KvEvent, ev: KvEvent) -> None:
+    """Writes a core event into `target`, a `KvEvent` message, in place (no submessage built and copied)."""
     if isinstance(ev, BlockStored):
         stored = target.block_stored
+        stored.SetInParent()
         stored.block_hashes.extend(ev.block_hashes)
         stored.token_ids_le32 = token_bytes(ev.token_ids)
         stored.block_size = ev.block_size
@@ -63,36 +64,11 @@ def fill_event(target: conductor_pb2.KvEvent, ev: KvEvent) -> None:
             stored.lora_id = ev.lora_id
     elif isinstance(ev, BlockRemoved):
         removed = target.block_removed
+        removed.SetInParent()
         removed.block_hashes.extend(ev.block_hashes)
         removed.medium = _pb_medium(ev.medium)
     else:
         target.all_blocks_cleared.SetInParent()
-
-
-def fill_batch(
-    target: conductor_pb2.KvEventBatch,
-    batch: EventBatch,
-    instance_id: str,
-    dp_rank: int,
-    sequence: int,
-    model: str,
-    block_size: int,
-    replayed: bool,
-    capacity_blocks: int = 0,
-) -> None:
-    """Writes a decoded engine batch into `target`, a `KvEventBatch` message in place: built where it is sent (a
-    message inside a coalesced one) rather than built and copied there."""
-    target.instance_id = instance_id
-    target.dp_rank = dp_rank
-    target.sequence = sequence
-    target.model = model
-    target.block_size = block_size
-    target.replayed = replayed
-    target.capacity_blocks = capacity_blocks
-    for ev in batch.events:
-        fill_event(target.events.add(), ev)
-    if batch.ts > 0:
-        target.engine_time.FromNanoseconds(int(batch.ts * 1e9))
 
 
 def batch_to_pb(
@@ -105,7 +81,18 @@ def batch_to_pb(
     replayed: bool,
     capacity_blocks: int = 0,
 ) -> conductor_pb2.KvEventBatch:
-    """A decoded engine batch as a new `KvEventBatch` message."""
-    msg = conductor_pb2.KvEventBatch()
-    fill_batch(msg, batch, instance_id, dp_rank, sequence, model, block_size, replayed, capacity_blocks)
+    """A decoded engine batch as a `KvEventBatch` message (the node agent's direction), its events written in place."""
+    msg = conductor_pb2.KvEventBatch(
+        instance_id=instance_id,
+        dp_rank=dp_rank,
+        sequence=sequence,
+        model=model,
+        block_size=block_size,
+        replayed=replayed,
+        capacity_blocks=capacity_blocks,
+    )
+    for ev in batch.events:
+        _fill_event(msg.events.add(), ev)
+    if batch.ts > 0:
+        msg.engine_time.FromNanoseconds(int(batch.ts * 1e9))
     return msg
