@@ -205,7 +205,6 @@ def relay(args) -> int:
 @dataclass
 class Result:
     shape: str
-    engines: int
     batches: int
     stored: int
     removed: int
@@ -308,7 +307,7 @@ def run_shape(shape: str, args, workdir: Path) -> Result:
         relay_proc.send_signal(signal.SIGTERM)
         _, _, messages, dropped, undecodable = _line(relay_proc, "stats", 30).split()
         return Result(
-            shape, args.engines, batches, stored, stored - held, seconds, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wire,
+            shape, batches, stored, stored - held, seconds, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wire,
             end["tandem_conductor_blocks"], held, end["tandem_conductor_gaps_total"],
             end["tandem_conductor_clears_total"], int(messages), int(dropped) + int(undecodable),
         )  # fmt: skip

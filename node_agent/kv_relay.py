@@ -105,9 +105,8 @@ class KvEventRelay:
         self._out: asyncio.Queue[conductor_pb2.KvEventBatch | conductor_pb2.IngestRequest] = asyncio.Queue(
             maxsize=queue_size
         )
-        self._room = (
-            asyncio.Event()
-        )  # set when `_out` may have room again (a message taken, or the stream down)
+        # set when `_out` may have room again (a message taken, or the stream down)
+        self._room = asyncio.Event()
         self._running = False
         self._closed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -187,7 +186,7 @@ class KvEventRelay:
                 log.exception("conductor stream failed", extra={"conductor": self.conductor_address})
             finally:
                 self.connected.clear()
-                self._room.set()  # readers held back by a full queue go on (and drop) while the stream is down
+                self._room.set()  # readers held back by the read-ahead go on (and drop on a full queue) while it is down
             if self._closed.is_set():
                 break
             with contextlib.suppress(TimeoutError):
@@ -350,10 +349,8 @@ class KvEventRelay:
                 batch = self._to_batch(src, seq, payload, replayed=False)
                 if batch is None:
                     continue
-                if not src.holding:
-                    await (
-                        self._wait_for_room()
-                    )  # nothing awaited between it and the send: the room stays free
+                if not src.holding:  # nothing is awaited between the wait and the send: the room stays free
+                    await self._wait_for_room()
                 if src.holding:
                     if len(src.held) >= self.queue_size:
                         self.dropped += 1
