@@ -85,7 +85,7 @@ class EtcdState:
 
     def verified(self, instance_id: str) -> None:
         put = self.owned.get(instance_id)
-        if put is not None:
+        if put is not None and not put.verified:
             self.owned[instance_id] = dataclasses.replace(put, verified=True)
             self._queue(self._key("instances", instance_id), "put", instance_id)
 

@@ -257,15 +257,19 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 answered = await self.prober.answers(state.info.address)
                 if self.instances.get(iid) is not state:
                     continue
-                if answered and state.verified:
-                    return
                 if answered:
-                    state.verified = True
+                    # This replica's own record says so too, even when another replica's record (applied from etcd)
+                    # said it first: its registration wrote `verified: false`, and every heartbeat it relays
+                    # rewrites that record, which would turn the instance unroutable again on every replica.
                     self.shared.verified(iid)
-                    publish_instance_counts(self.instances)
-                    log.info("instance answered its probe", extra={"instance": iid})
-                    if self.on_registered is not None:  # routable now: decisions waiting for one try again
-                        self.on_registered()
+                    if not state.verified:
+                        state.verified = True
+                        publish_instance_counts(self.instances)
+                        log.info("instance answered its probe", extra={"instance": iid})
+                        if (
+                            self.on_registered is not None
+                        ):  # routable now: decisions waiting for one try again
+                            self.on_registered()
                     return
                 if state.verified:  # kept routable at re-registration, and it does not answer
                     state.verified = False

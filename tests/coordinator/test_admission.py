@@ -16,6 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.instance_probe import HealthProber
 from coordinator.instances import Health, InstanceInfo, InstanceTable
 from coordinator.services import RegistryService
+from coordinator.shared_state import LocalState
 from mesh.config import parse_mesh_config
 from tandem.tls import caller_var
 from tandem.v1 import common_pb2, registry_pb2
@@ -196,6 +197,40 @@ async def test_an_entry_replaced_by_another_replicas_registration_is_probed_unti
             info = dataclasses.replace(service.instances.get("sim-0").info, address=engine)
             service.instances.register(info, verified=False)  # as `shared_state.apply_change` does
             await eventually(lambda: service.instances.get("sim-0").routable, 5, "the replaced entry probed")
+    finally:
+        await service.close()
+
+
+class OwnRecords(LocalState):
+    """What this replica writes to etcd for the instances its agents report to it: `verified` per instance."""
+
+    def __init__(self) -> None:
+        self.verified_by_id: dict[str, bool] = {}
+
+    def registered(self, info: InstanceInfo, verified: bool = True) -> None:
+        self.verified_by_id[info.instance_id] = verified
+
+    def verified(self, instance_id: str) -> None:
+        self.verified_by_id[instance_id] = True
+
+
+async def test_a_probe_that_passes_after_another_replica_verified_the_entry_still_writes_its_own_record():
+    """At start an agent registers an engine with both replicas. The other replica's probe passes first and its
+    record (applied from etcd) marks this replica's entry verified; this replica's own record still says `verified:
+    false` from its registration and, rewritten with every heartbeat it relays, turned the engine unroutable again
+    on every replica (CI: `tandem up` never saw the engine healthy). Its probe must correct its own record."""
+    own = OwnRecords()
+    service = registry()
+    service.shared = own
+    try:
+        async with health_server() as engine:
+            await register(service, "n1", "sim-0", engine)
+            assert own.verified_by_id == {"sim-0": False}
+            service.instances.get(
+                "sim-0"
+            ).verified = True  # another replica's record, as `apply_change` applies it
+            await eventually(lambda: not service._probes, 5, "the probe passed")  # noqa: SLF001
+            assert own.verified_by_id == {"sim-0": True}
     finally:
         await service.close()
 

@@ -201,7 +201,8 @@ async def test_an_idle_engine_is_read_seldom_and_at_once_when_it_works(tmp_path,
             sent = asyncio.create_task(
                 http.post(
                     f"{sup.base_url}/v1/completions",
-                    json={"model": "tandem-sim", "prompt": prompt, "max_tokens": 64, "ignore_eos": True},
+                    # 320 tokens keep it working ~1.5 s at speedup 5 (64 took ~0.3 s: 2 reads where 3 were asserted)
+                    json={"model": "tandem-sim", "prompt": prompt, "max_tokens": 320, "ignore_eos": True},
                 )
             )
             await eventually(lambda: sup.scrapes > before, 3, "a read once the engine works")
