@@ -266,9 +266,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                         state.verified = True
                         publish_instance_counts(self.instances)
                         log.info("instance answered its probe", extra={"instance": iid})
-                        if (
-                            self.on_registered is not None
-                        ):  # routable now: decisions waiting for one try again
+                        # Routable now: decisions waiting for one try again.
+                        if self.on_registered is not None:
                             self.on_registered()
                     return
                 if state.verified:  # kept routable at re-registration, and it does not answer
