@@ -226,9 +226,8 @@ async def test_a_probe_that_passes_after_another_replica_verified_the_entry_stil
         async with health_server() as engine:
             await register(service, "n1", "sim-0", engine)
             assert own.verified_by_id == {"sim-0": False}
-            service.instances.get(
-                "sim-0"
-            ).verified = True  # another replica's record, as `apply_change` applies it
+            # Another replica's record, as `apply_change` applies it.
+            service.instances.get("sim-0").verified = True
             await eventually(lambda: not service._probes, 5, "the probe passed")  # noqa: SLF001
             assert own.verified_by_id == {"sim-0": True}
     finally:
