@@ -93,7 +93,7 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
     ),
     (
         "pd",
-        "P/D modes: prefill-first handoff and decode-first trigger",
+        "P/D in real time against aggregated serving, and the fleet simulator's prediction of each row",
         ["bench.pd", "--output", "{out}/pd.md"],
         "pd.md",
     ),

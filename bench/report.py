@@ -93,6 +93,15 @@ same token ids with the same policies objects, the conductor's index and simengi
 model in virtual time. Each real-time row runs in a fresh client process: when the kv_affinity mesh was the second one
 started by the same process, its real-time TTFT came out 16-25% above the simulator's, reproducibly (four runs),
 while as the first or only one it agreed within 4% (three runs); the cause is not found yet.""",
+    "pd": """From issue 21: the same 4 simengines on one node serve a Mooncake slice aggregated (all hybrid,
+kv_affinity) and disaggregated (2 prefill + 2 decode) in handoff and trigger mode under each `scheduler.pd_choice`,
+a fresh mesh per row; then the fleet simulator replays the same slice with the same engines, split and rule, so
+each row checks the simulator's P/D model (issue 21's bar: within 10% on mean TTFT). The engines run at speedup 2.5:
+the mesh's own wall-clock costs (Envoy, the coordinator, HTTP, the client on the same 2 cores) count speedup times
+over in simulated ms, and at speedup 5 they put the real side 7-15% above the simulator. The answer to "should this
+workload be disaggregated" is in the aggregated row against the others: a prompt-heavy chat slice (outputs of 32
+tokens at most) with half the engines able to prefill loses TTFT to aggregated serving, as the simulator's P/D
+table below finds at every split.""",
     "lora": """Issue 26's LoRA routing in the fleet simulator (`bench/fleet/lora.py`): each request names an
 adapter (Zipf popularity, s = 1, over 50 or 500 adapters; "shifting" re-ranks the adapters at random twice during
 the run), every engine holds `max_loras` adapters (LRU among idle ones; a request waits while every slot holds an

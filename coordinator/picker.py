@@ -413,14 +413,18 @@ class EndpointPicker:
         return picked
 
     def _pair_prefill(self, pick: Pick, states: list[InstanceState]) -> Candidate:
-        """The prefill instance of a joint pick: the planned one on the first attempt (still routable), else the
-        best one for the decode instance already chosen."""
+        """The prefill instance of a joint pick: in handoff mode the planned one on the first attempt (still
+        routable; its leg goes out as soon as it was planned), else the best one for the decode instance already
+        chosen, on the ledger as it is now: a trigger callback comes after the decode engine allocated, and a plan
+        made at arrival does not count the prefill legs sent meanwhile (every request of a burst had planned the
+        same prefill instance: the real mesh's prefill load split 55/65 where re-choosing splits it 60/60, and its
+        p99 TTFT ran a third above the simulator's, which re-chooses)."""
         assert self.pair is not None
         planned = pick.planned.prefill if pick.planned is not None else None
         ids = {s.info.instance_id for s in states}
         cands = self._candidates(states, pick.matches)
         chosen: Candidate | None
-        if planned is not None and planned.instance_id in ids:
+        if planned is not None and planned.instance_id in ids and pick.mode is PdMode.HANDOFF:
             chosen = next(c for c in cands if c.instance_id == planned.instance_id)
             choice = pick.planned
         else:

@@ -231,6 +231,19 @@ async def test_the_joint_choice_pairs_the_idle_prefill_instance_with_a_decode_in
     assert retry.instance.info.instance_id == "p1" and pick.planned.cross_node
 
 
+async def test_a_trigger_callback_chooses_the_prefill_instance_on_the_ledger_of_its_time_not_the_plan():
+    picker = pair_picker("joint")
+    picker.config.pd_mode = PdMode.TRIGGER
+    first = await picker.decide("completions", body(prompt="x " * 500), "a")
+    second = await picker.decide("completions", body(prompt="x " * 500), "b")
+    assert first.mode == second.mode == PdMode.TRIGGER
+    assert first.planned.prefill.instance_id == second.planned.prefill.instance_id == "p2"  # both at arrival
+    leg = await picker.pick_prefill(first, set())  # the first callback
+    assert leg.instance.info.instance_id == "p2"
+    picker.ledger.commit("p2", 40_000, 0, 40_000, 0)  # p2 got busier than p1 before the second callback
+    assert (await picker.pick_prefill(second, set())).instance.info.instance_id == "p1"
+
+
 async def test_adaptive_serves_a_short_prompt_on_a_decode_instance_alone():
     picker = pair_picker("adaptive")
     for iid in ("d1", "d2"):  # decode instances with sequences running
