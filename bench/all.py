@@ -34,6 +34,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "overhead.md",
     ),
     (
+        "profile",
+        "Where the mesh's CPU goes per request: py-spy under the overhead benchmark's load",
+        ["bench.profile", "--output", "{out}/profile.md"],
+        "profile.md",
+    ),
+    (
         "decision_stall",
         "Decision path: one huge prompt among many small ones",
         ["bench.decision_stall", "--output", "{out}/decision-stall.md"],
@@ -153,7 +159,7 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
 #: depend on the load average, so that its load has decayed by the next real-time step; the chaos soak (about 20
 #: processes) last, with nothing after it to wait for the load it leaves.
 RUN_ORDER = [
-    "overhead", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
+    "overhead", "profile", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
     "simengine", "conductor", "kv_relay", "replicas", "signal", "routing", "fleet_pd", "lora", "scale", "chaos",
 ]  # fmt: skip
 
@@ -163,7 +169,7 @@ STDERR_TAIL_LINES = 40
 #: Steps timed on the wall clock (engines, meshes, routers, real-time replays): each starts only once the load
 #: average has fallen to SETTLED_LOAD (the simulator's steps keep both cores busy), waiting at most `--settle-s`.
 REAL_TIME = {
-    "overhead", "decision_stall", "mtls", "policies", "policies_pressure", "sli", "pd", "validate", "replicas",
+    "overhead", "profile", "decision_stall", "mtls", "policies", "policies_pressure", "sli", "pd", "validate", "replicas",
     "chaos", "simengine", "conductor", "kv_relay",
 }  # fmt: skip
 SETTLED_LOAD = 1.0

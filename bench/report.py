@@ -46,6 +46,16 @@ machine (its load average is printed), so latencies are noisy; CPU per request i
 "before" coordinator has no node agent or conductor attached (the bench registers the engines with it), so it
 does less background work than the mesh's coordinator (agents' heartbeats, conductor health, config watch);
 at concurrency 1 this favours it in both CPU per request and latency.""",
+    "profile": """From issue 24 ("profile, then cut"): py-spy samples the coordinator (with its tokenizer worker),
+the conductor and the node agent while the overhead benchmark's non-streaming load runs through Envoy
+(`kv_affinity`, plain text). The tables list the frames holding the most busy samples; "event loop / gRPC core"
+is time with no Python frame below the event loop (gRPC's C core, uvloop, syscalls). What they say: about half of
+the coordinator's busy time is gRPC message handling (the event loop's core, the Match stream's writes and reads)
+and a third is the decision itself (understanding the body, the Match round trip, the policy), the policy's own
+Python a few percent; so the cut that remains is fewer messages per request (a local replica of the index in place
+of the Match round trip, or Match requests coalesced per event-loop turn), not faster Python. The conductor's is
+the Match stream and the KV batches' decoding; the agent's, reading the engines' KV events and writing them to
+the conductor's stream.""",
     "decision_stall": """The coordinator's decision service alone (its ext_proc servicer over gRPC, no Envoy, no
 engines): small requests at concurrency 16 with one 1 MiB prompt per 100 of them, each variant in a fresh
 coordinator process. Parsing and tokenizing inline on the event loop stalls every decision behind a huge
