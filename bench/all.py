@@ -116,6 +116,23 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "fleet-pd.md",
     ),
     (
+        "overload",
+        "Past saturation: service tiers and SLO-aware admission during bursts, against the peers' admission "
+        "(`--bursts 0.8 1.5 3` for the steady baseline too)",
+        [
+            "bench.fleet",
+            "overload",
+            "--bursts",
+            "1.5",
+            "3",
+            "--output-dir",
+            "{out}",
+            "--plot",
+            "{out}/fleet-overload.png",
+        ],
+        "fleet-overload.md",
+    ),
+    (
         "lora",
         "LoRA adapters in the fleet simulator: Zipf popularity over 50 and 500 adapters, slots and cold loads "
         "(8 instances; `--sizes 8 32` for 32 too)",
@@ -160,7 +177,8 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
 #: processes) last, with nothing after it to wait for the load it leaves.
 RUN_ORDER = [
     "overhead", "profile", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
-    "simengine", "conductor", "kv_relay", "replicas", "signal", "routing", "fleet_pd", "lora", "scale", "chaos",
+    "simengine", "conductor", "kv_relay", "replicas", "signal", "routing", "fleet_pd", "overload", "lora", "scale",
+    "chaos",
 ]  # fmt: skip
 
 #: Lines of a failed step's stderr kept (printed and written to `<step>.stderr.txt` beside its stdout).
@@ -180,6 +198,7 @@ PLOTS = {
     "scale": "fleet-scale.png",
     "routing": "fleet-routing.png",
     "policies_pressure": "pressure/policies.png",
+    "overload": "fleet-overload.png",
 }
 
 

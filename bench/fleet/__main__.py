@@ -610,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also the peers' admission rows (llm-d, Dynamo: bench.fleet.peer_admission)",
     )
     s.add_argument("--output-dir", help="write fleet-overload.md here")
+    s.add_argument("--plot", help="write a PNG of TTFT against arrival time during the largest burst here")
     s.set_defaults(signal=None)
     s = sub.add_parser("lora", help="LoRA adapters: Zipf popularity, slots, cold loads; four routers")
     s.add_argument("--adapters", type=int, nargs="+", default=[50, 500])

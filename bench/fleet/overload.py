@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.fleet.instance import EngineSpec, SimInstance
 from bench.replay import percentile
@@ -83,6 +84,7 @@ class TierResult:
     refused: int = 0
     met: int = 0
     ttft_s: list[float] = field(default_factory=list)
+    arrived_s: list[float] = field(default_factory=list)  # each answered request's arrival, as `ttft_s`
     good_tokens: int = 0
 
 
@@ -374,6 +376,7 @@ class OverloadFleet:
         ttft = first - arrived
         tpot = (self.now - first) / max(1, c.output - 1)
         t.ttft_s.append(ttft)
+        t.arrived_s.append(arrived)
         slo = self.cfg.slos[c.tier]
         if ttft <= slo.ttft_slo_s and tpot <= slo.tpot_slo_s:
             t.met += 1
@@ -444,4 +447,39 @@ def cmd_overload(args, progress) -> tuple[str, list]:
                     f"{result.queue_peak if admission.holds else '-'} |"
                 )
                 rows.append((burst, admission.label, c.tier.value, t, result))
+    if getattr(args, "plot", None):
+        plot(rows, base, Path(args.plot))
     return "\n".join(lines), rows
+
+
+#: The rows the plot draws, by admission label (`Admission.label`): none, as it ships, and the peers' queueing.
+PLOTTED = ("off", f"on, headroom {DEFAULT_HEADROOM:g}", "llm-d flow control", "Dynamo (as shipped)")
+
+
+def plot(rows, cfg: OverloadConfig, path: Path) -> None:
+    """TTFT of every answered request against its arrival time during the largest burst, per tier: admission off,
+    as it ships, and the peers' queueing rows (when run); the burst shaded, each tier's TTFT SLO dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    burst = max(b for b, *_ in rows)
+    tiers = [c.tier for c in TRAFFIC]
+    fig, axes = plt.subplots(1, len(tiers), figsize=(13, 4.2), sharex=True)
+    for ax, tier in zip(axes, tiers, strict=True):
+        for b, label, name, t, _ in rows:
+            if b == burst and name == tier.value and label in PLOTTED:
+                ax.scatter(t.arrived_s, [x * 1000 for x in t.ttft_s], s=3, alpha=0.6, label=label)
+        ax.axvspan(
+            cfg.steady_s, cfg.steady_s + cfg.burst_s, color="grey", alpha=0.15, label=f"{burst:g}x burst"
+        )
+        ax.axhline(cfg.slos[tier].ttft_slo_s * 1000, color="black", linestyle="--", linewidth=0.8,
+                   label="TTFT SLO")  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival (simulated s)")
+        ax.set_title(f"{tier.value}: TTFT (simulated ms)")
+    axes[0].legend(fontsize=7, markerscale=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

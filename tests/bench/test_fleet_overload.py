@@ -59,6 +59,18 @@ def test_the_command_writes_one_row_per_burst_admission_and_tier():
     assert "| 3x | llm-d flow control | priority |" in text and "| 3x | Dynamo (as shipped) | flex |" in text
 
 
+def test_the_plot_draws_each_answered_request_at_its_arrival(tmp_path):
+    class Args:
+        instances, steady, steady_s, burst_s, seed, bursts, peers = 2, 0.8, 3.0, 2.0, 0, [3.0], False
+        plot = str(tmp_path / "overload.png")
+
+    _, rows = cmd_overload(Args, lambda n: None)
+    for *_, t, _ in rows:
+        assert len(t.arrived_s) == len(t.ttft_s) == t.sent - t.refused
+        assert t.arrived_s and max(t.arrived_s) <= 3.0 + 2.0 + 3.0  # arrivals, not answer times
+    assert (tmp_path / "overload.png").stat().st_size > 10_000
+
+
 # --- the peers' admission (bench/fleet/peer_admission.py) -----------------------------------------------------
 
 
