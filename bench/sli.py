@@ -244,10 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         "request's prediction (`Admin/ListDecisions`) with the engine's `cached_tokens` for it. Positive errors: "
         "the engine found more than predicted; negative: predicted hits that were not there when the request was "
         "scheduled (evicted, or still being computed by an earlier request of the same prefix). The engine counter "
-        "(`vllm:prefix_cache_hits_total`) counts a request's hit again at every scheduling attempt while it waits "
-        "for free blocks (simengine records it in `get_computed_blocks`, as vLLM versions before the count moved "
-        "after allocation), so under cache pressure the counter-based mean runs above the per-request "
-        "`cached_tokens`: the per-request columns are the prediction error.",
+        "(`vllm:prefix_cache_hits_total`) counts each request once, when the scheduler admits it (as vLLM 0.32), "
+        "so the counter-based mean and the per-request `cached_tokens` agree; a request readmitted after a "
+        "preemption is left out of the counter, as vLLM leaves it.",
     ])  # fmt: skip
     print(text)
     if args.output:

@@ -72,7 +72,7 @@ class KVCacheManager:
             self.cpu.next_tier = self.disk
         if offload and enable_caching:
             self.pool.on_evict = self._offload if num_cpu_blocks > 0 else self._offload_disk
-        #: Prefix cache statistics in tokens, as vLLM's prefix_cache_queries / hits.
+        #: Prefix cache statistics in tokens, as vLLM's prefix_cache_queries / hits (`record_prefix_cache_stats`).
         self.queries = 0
         self.hits = 0
 
@@ -130,10 +130,16 @@ class KVCacheManager:
                 num_disk += 1
             else:
                 break
-        hit_tokens = (len(npu) + num_cpu + num_disk) * self.block_size
-        self.queries += request.num_tokens
-        self.hits += hit_tokens
         return ComputedBlocks(npu, num_cpu, num_disk)
+
+    def record_prefix_cache_stats(self, request: Request, hit_tokens: int) -> None:
+        """Counts a request's prefix lookup in `queries` / `hits` once, when the scheduler admits it, as vLLM 0.32
+        does (`Scheduler.schedule`: "Record at admission so unscheduled lookups are not counted", vLLM PR 48860):
+        a lookup whose request then waits for free blocks is not counted, nor its retries. A request preempted
+        before goes to vLLM's separate preempted counters, which no metric exports: not counted here."""
+        if self.enable_caching and request.num_preemptions == 0:
+            self.queries += request.num_tokens
+            self.hits += hit_tokens
 
     # -- allocation -------------------------------------------------------------------------------------------
 

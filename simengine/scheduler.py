@@ -214,6 +214,7 @@ class Scheduler:
             if req.needs_remote_kv:
                 if not kv.allocate_slots(req, req.num_tokens - hit, computed):
                     break
+                kv.record_prefix_cache_stats(req, hit)
                 waiting.popleft()
                 if (
                     req.num_cached_tokens < 0
@@ -227,6 +228,7 @@ class Scheduler:
             n = min(req.num_tokens - hit, budget)
             if not kv.allocate_slots(req, n, computed):
                 break
+            kv.record_prefix_cache_stats(req, hit)
             waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit

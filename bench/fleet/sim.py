@@ -115,8 +115,8 @@ class FleetResult:
     rejected: int = 0  # longer than the engines' max_model_len (an HTTP 400 from a real engine)
     makespan_s: float = 0.0  # first arrival to last finish
     #: Prompt tokens of measured requests and those found in the engine's prefix cache; without warm-up, the
-    #: engines' own counters (`vllm:prefix_cache_queries_total` / `hits_total`, which count a re-scheduled request
-    #: again).
+    #: engines' own counters (`vllm:prefix_cache_queries_total` / `hits_total`, each request once at admission,
+    #: preempted ones left out).
     queries: int = 0
     hits: int = 0
     signal_samples: int = (

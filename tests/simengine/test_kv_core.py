@@ -86,7 +86,13 @@ def test_prefix_hit_reuses_blocks_and_keeps_last_token():
     assert len(computed.npu_blocks) == 3
     same = req(range(12), "c")
     assert len(kv.get_computed_blocks(same).npu_blocks) == 2  # one token is always left to compute
-    assert kv.hits == 12 + 8 and kv.queries == 12 + 14 + 12
+    assert kv.hits == kv.queries == 0  # a lookup alone counts nothing: the scheduler records at admission
+    kv.record_prefix_cache_stats(b, 12)
+    kv.record_prefix_cache_stats(same, 8)
+    assert kv.hits == 12 + 8 and kv.queries == 14 + 12
+    same.num_preemptions = 1
+    kv.record_prefix_cache_stats(same, 8)  # readmitted after a preemption: vLLM's unexported counters
+    assert kv.hits == 12 + 8 and kv.queries == 14 + 12
 
 
 def test_eviction_emits_block_removed():

@@ -221,3 +221,21 @@ def test_cached_tokens_are_counted_when_a_request_is_scheduled_not_when_it_waits
     s.update(out)
     run(s)
     assert b.status is Status.FINISHED_LENGTH and b.num_cached_tokens == 0  # recorded when it did run
+
+
+def test_the_prefix_cache_counters_count_a_request_once_however_long_it_waits_for_blocks():
+    """As vLLM 0.32 (stats recorded at admission): `vllm:prefix_cache_queries` grows by each request's prompt once,
+    not once per step it waited for free blocks."""
+    s = make(blocks=6, budget=64, bs=4)
+    x, b = req(16, "x", max_tokens=8), req(16, "bb", max_tokens=4)
+    s.add_request(x)
+    s.update(s.schedule())
+    s.add_request(b)
+    waited = 0
+    while b.status is Status.WAITING:
+        out = s.schedule()
+        waited += b not in [r for r, _ in out.scheduled]
+        s.update(out)
+    run(s)
+    assert waited >= 2  # b was looked up at every step it could not get its blocks
+    assert s.kv.queries == 16 + 16 and s.kv.hits == 0
