@@ -172,13 +172,14 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
 ]
 
 #: The order the steps run in (the report keeps STEPS' order): the real-time steps first, while the machine is quiet;
-#: the replicas step (four coordinators saturating both cores) just before the simulator's steps, whose results do not
-#: depend on the load average, so that its load has decayed by the next real-time step; the chaos soak (about 20
-#: processes) last, with nothing after it to wait for the load it leaves.
+#: the replicas step (four coordinators saturating both cores) just before the profile and the simulator's steps,
+#: whose results do not depend on the load average (the profile reports shares of each process's samples), so that
+#: its load has decayed by the next real-time step; the chaos soak (about 20 processes) last, with nothing after it
+#: to wait for the load it leaves.
 RUN_ORDER = [
-    "overhead", "profile", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
-    "simengine", "conductor", "kv_relay", "replicas", "signal", "routing", "fleet_pd", "overload", "lora", "scale",
-    "chaos",
+    "overhead", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
+    "simengine", "conductor", "kv_relay", "replicas", "profile", "signal", "routing", "fleet_pd", "overload", "lora",
+    "scale", "chaos",
 ]  # fmt: skip
 
 #: Lines of a failed step's stderr kept (printed and written to `<step>.stderr.txt` beside its stdout).
@@ -187,7 +188,7 @@ STDERR_TAIL_LINES = 40
 #: Steps timed on the wall clock (engines, meshes, routers, real-time replays): each starts only once the load
 #: average has fallen to SETTLED_LOAD (the simulator's steps keep both cores busy), waiting at most `--settle-s`.
 REAL_TIME = {
-    "overhead", "profile", "decision_stall", "mtls", "policies", "policies_pressure", "sli", "pd", "validate", "replicas",
+    "overhead", "decision_stall", "mtls", "policies", "policies_pressure", "sli", "pd", "validate", "replicas",
     "chaos", "simengine", "conductor", "kv_relay",
 }  # fmt: skip
 SETTLED_LOAD = 1.0

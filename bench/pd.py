@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import statistics
@@ -48,8 +49,9 @@ MODES = {"handoff": ("prefill_handoff_decode", "NixlConnector"),
 #: The simulator's rule for each `scheduler.pd_choice` (`bench.fleet.pd_rules`).
 CHOICES = {"separate": "tandem_least_load", "joint": "tandem_joint", "adaptive": "tandem_adaptive"}
 ROWS = ("aggregated", *(f"{m} {c}" for m in MODES for c in CHOICES))
-#: `make bench`'s rows: both modes, the three choices in handoff (about 45 s each at the default speedup).
-DEFAULT_ROWS = ("aggregated", "handoff separate", "handoff joint", "handoff adaptive", "trigger joint")
+#: `make bench`'s rows (about 45 s each at the default speedup): aggregated, both modes, and each choice once (on one
+#: node `joint` differs from `separate` only by the decode engine's first step: `--rows` runs the others).
+DEFAULT_ROWS = ("aggregated", "handoff separate", "handoff adaptive", "trigger joint")
 CALLBACK = "tandem_coordinator_trigger_callback_path_seconds"
 #: simengine's default `--npu-blocks` (the engines here run with their defaults).
 SIMENGINE_NPU_BLOCKS = 4096
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         callback = [histogram_quantile(buckets, q) * 1000 for q in (0.5, 0.99)] if buckets else []
         if callback:
             callbacks.append(f"{row}: p50 {callback[0]:.2f}, p99 {callback[1]:.2f} over {buckets[-1][1]:.0f}")
-        sim = simulate_row(row, args, callback[0] / 1000 if callback and callback[0] == callback[0] else 0.0)
+        sim = simulate_row(row, args, callback[0] / 1000 if callback and not math.isnan(callback[0]) else 0.0)
         simv = [sim.pct(q) * 1000 for q in (50, 90, 99)] + [sim.mean_ttft * 1000]
         diff = [(a - b) / b if b else float("nan") for a, b in zip(simv, real, strict=True)]
         rows += [

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import os
 import re
 import shutil
@@ -109,12 +110,12 @@ def table(name: str, raw: str, top: int) -> str:
         "| inclusive | share of busy | innermost Python frame | share of busy |",
         "|---|---:|---|---:|",
     ]
-    for i in range(max(len(own), len(inner))):
-        a = own[i] if i < len(own) else ("", 0)
-        b = inner[i] if i < len(inner) else ("", 0)
-        cells = [f"`{a[0]}`" if a[0] else "", f"{a[1] / busy:.1%}" if a[0] else ""]
-        cells += [f"`{b[0]}`" if b[0] else "", f"{b[1] / busy:.1%}" if b[0] else ""]
-        lines.append("| " + " | ".join(cells) + " |")
+
+    def cells(frame: str, n: int) -> tuple[str, str]:
+        return (f"`{frame}`", f"{n / busy:.1%}") if frame else ("", "")
+
+    for a, b in itertools.zip_longest(own, inner, fillvalue=("", 0)):
+        lines.append("| " + " | ".join((*cells(*a), *cells(*b))) + " |")
     return "\n".join(lines)
 
 

@@ -415,10 +415,9 @@ class EndpointPicker:
     def _pair_prefill(self, pick: Pick, states: list[InstanceState]) -> Candidate:
         """The prefill instance of a joint pick: in handoff mode the planned one on the first attempt (still
         routable; its leg goes out as soon as it was planned), else the best one for the decode instance already
-        chosen, on the ledger as it is now: a trigger callback comes after the decode engine allocated, and a plan
-        made at arrival does not count the prefill legs sent meanwhile (every request of a burst had planned the
-        same prefill instance: the real mesh's prefill load split 55/65 where re-choosing splits it 60/60, and its
-        p99 TTFT ran a third above the simulator's, which re-chooses)."""
+        chosen, on the ledger as it is now. A trigger callback comes after the decode engine allocated, and a plan
+        made at arrival does not count the prefill legs sent meanwhile: a burst would all go to the instance it
+        planned (docs/pd.md, "The simulator against the real-time mesh")."""
         assert self.pair is not None
         planned = pick.planned.prefill if pick.planned is not None else None
         ids = {s.info.instance_id for s in states}

@@ -609,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also the peers' admission rows (llm-d, Dynamo: bench.fleet.peer_admission)",
     )
+    s.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
     s.add_argument("--output-dir", help="write fleet-overload.md here")
     s.add_argument("--plot", help="write a PNG of TTFT against arrival time during the largest burst here")
     s.set_defaults(signal=None)

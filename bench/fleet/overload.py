@@ -18,7 +18,9 @@ goodput (output tokens a second of the requests that met their SLO) and refusals
 from __future__ import annotations
 
 import heapq
+import os
 import random
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -400,6 +402,25 @@ def capacity(cfg: OverloadConfig, backlog: int = 200) -> float:
     return backlog / result.span_s
 
 
+def admissions(cfg: OverloadConfig, peers: bool) -> list:
+    """The rows' admission, in order: off, on without headroom (lower tiers may fill all of priority's TTFT SLO),
+    as it ships, and (with `peers`) the peers' admission (`bench.fleet.peer_admission`) with their defaults."""
+    from bench.fleet.peer_admission import peer_variants
+
+    own = [Admission(), TandemAdmission(cfg.slos, 1.0), TandemAdmission(cfg.slos, DEFAULT_HEADROOM)]
+    return own + [make() for make in (peer_variants() if peers else [])]
+
+
+def run_one(job: tuple[OverloadConfig, int, bool, float]) -> tuple[str, bool, OverloadResult]:
+    """One burst under one row's admission (picklable, for process pools): its label, whether it holds
+    requests, and the result."""
+    cfg, index, peers, rate = job
+    admission = admissions(cfg, peers)[index]
+    result = OverloadFleet(cfg, admission).run(arrivals(rate, cfg))
+    assert result.residual == 0, "the ledger kept requests after the last end"
+    return admission.label, admission.holds, result
+
+
 def cmd_overload(args, progress) -> tuple[str, list]:
     base = OverloadConfig(
         instances=args.instances,
@@ -422,31 +443,22 @@ def cmd_overload(args, progress) -> tuple[str, list]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
-    # Admission off, on without headroom (lower tiers may fill all of priority's TTFT SLO), as it ships, and the
-    # peers' admission (bench.fleet.peer_admission) with their defaults.
-    from bench.fleet.peer_admission import peer_variants
-
-    variants = [
-        lambda cfg: Admission(),
-        lambda cfg: TandemAdmission(cfg.slos, 1.0),
-        lambda cfg: TandemAdmission(cfg.slos, DEFAULT_HEADROOM),
-    ] + [lambda cfg, make=make: make() for make in (peer_variants() if getattr(args, "peers", True) else [])]
-    for burst in args.bursts:
-        for make in variants:
-            cfg = OverloadConfig(**{**base.__dict__, "burst": burst})
-            admission = make(cfg)
-            result = OverloadFleet(cfg, admission).run(arrivals(rate, cfg))
-            assert result.residual == 0, "the ledger kept requests after the last end"
+    peers = getattr(args, "peers", True)
+    cfgs = [OverloadConfig(**{**base.__dict__, "burst": burst}) for burst in args.bursts]
+    jobs = [(cfg, i, peers, rate) for cfg in cfgs for i in range(len(admissions(cfg, peers)))]
+    workers = min(len(jobs), getattr(args, "workers", 0) or os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers) as pool:
+        for (cfg, *_), (label, holds, result) in zip(jobs, pool.map(run_one, jobs), strict=True):
             progress(1)
             for c in TRAFFIC:
                 t = result.tiers[c.tier]
                 lines.append(
-                    f"| {burst:g}x | {admission.label} | {c.tier.value} | {t.sent} | {t.refused} "
+                    f"| {cfg.burst:g}x | {label} | {c.tier.value} | {t.sent} | {t.refused} "
                     f"| {t.met / t.sent:.0%} | {percentile(t.ttft_s, 50) * 1000:.0f} "
                     f"| {percentile(t.ttft_s, 99) * 1000:.0f} | {result.goodput(c.tier):.0f} | "
-                    f"{result.queue_peak if admission.holds else '-'} |"
+                    f"{result.queue_peak if holds else '-'} |"
                 )
-                rows.append((burst, admission.label, c.tier.value, t, result))
+                rows.append((cfg.burst, label, c.tier.value, t, result))
     if getattr(args, "plot", None):
         plot(rows, base, Path(args.plot))
     return "\n".join(lines), rows
@@ -481,5 +493,6 @@ def plot(rows, cfg: OverloadConfig, path: Path) -> None:
         ax.set_title(f"{tier.value}: TTFT (simulated ms)")
     axes[0].legend(fontsize=7, markerscale=3)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
