@@ -166,13 +166,13 @@ async def test_heartbeat_progress_takes_prefill_off_the_ledger(monkeypatch):
                     instance_id="i0", health=common_pb2.HEALTH_HEALTHY, load=load
                 )
 
-            async def beats():
-                yield beat(5000, 700)  # baseline
-                ledger.commit("i0", 300, 20, 420, prompt_tokens=400)  # a request routed meanwhile
-                yield beat(5400, 701)  # its first token: prompt counted
-
-            async for _ in registry.Heartbeat(beats()):
-                pass
+            call = registry.Heartbeat()  # one beat at a time: the commit falls between the two
+            await call.write(beat(5000, 700))  # baseline
+            assert (await call.read()).known
+            ledger.commit("i0", 300, 20, 420, prompt_tokens=400)  # a request routed meanwhile
+            await call.write(beat(5400, 701))  # its first token: prompt counted
+            assert (await call.read()).known
+            await call.done_writing()
             (stats,) = (await admin.GetStats(admin_pb2.GetStatsRequest())).instances
             assert (stats.prefill_tokens, stats.inflight_requests) == (0, 1)
             assert stats.decode_tokens == 19
@@ -204,15 +204,20 @@ async def test_busy_heartbeats_teach_the_latency_model_and_metrics_show_it(monke
                     instance_id="i0", health=common_pb2.HEALTH_HEALTHY, load=load
                 )
 
-            async def beats():
-                yield beat(0, 0, 1)  # baseline
-                for k in range(1, 13):  # 3 s busy: each quarter second one 1,000-token prefill done
-                    ledger.commit("i0", 1000, 1, 1001, prompt_tokens=1000)
-                    now[0] = k * 0.25
-                    yield beat(1000 * k, k, 1)
+            # One beat at a time, each applied before the clock moves (the server reads the clock when it applies
+            # a beat; a stream written ahead gave the beats other intervals, and this test failed now and then).
+            call = registry.Heartbeat()
 
-            async for _ in registry.Heartbeat(beats()):
-                pass
+            async def send(b: registry_pb2.HeartbeatRequest) -> None:
+                await call.write(b)
+                assert (await call.read()).known
+
+            await send(beat(0, 0, 1))  # baseline
+            for k in range(1, 13):  # 3 s busy: each quarter second one 1,000-token prefill done
+                ledger.commit("i0", 1000, 1, 1001, prompt_tokens=1000)
+                now[0] = k * 0.25
+                await send(beat(1000 * k, k, 1))
+            await call.done_writing()
         assert book.observed("i0") == 1  # one window of 2 s
         assert book.costs("i0").prefill > book.prior.prefill  # 4,000 tokens/s: slower than the prior's 10,000
         text = prometheus_client.generate_latest().decode()
