@@ -10,9 +10,11 @@ randomness is seeded, so a run is a pure function of (config, arrivals).
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
@@ -295,11 +297,8 @@ class Fleet:
 
     def _replication(self) -> float:
         """Share of distinct cached blocks held by more than one instance, now."""
-        seen: dict[object, int] = {}
-        for inst in self.instances:
-            for h in inst.kv.pool.cached:
-                seen[h] = seen.get(h, 0) + 1
-        return sum(n > 1 for n in seen.values()) / len(seen) if seen else 0.0
+        seen = Counter(itertools.chain.from_iterable(inst.kv.pool.cached for inst in self.instances))
+        return (len(seen) - list(seen.values()).count(1)) / len(seen) if seen else 0.0
 
     def _close_window(self, upto: float) -> None:
         while upto >= self._window_start + self._window_s:
