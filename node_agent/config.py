@@ -402,7 +402,13 @@ class NodeAgentConfig(BaseModel):
     """Where the agent records the processes it launched (pid, start time, launch), so that a restarted agent adopts
     them instead of restarting them; `<runtime_dir>/state` when unset."""
     probe_interval_s: float = Field(default=0.5, gt=0)
-    """How often each engine's `/health` is probed."""
+    """How often each engine's `/health` is probed (an idle one: `idle_probe_interval_s`)."""
+    idle_probe_interval_s: float = Field(default=2.0, gt=0)
+    """How often an idle, healthy engine's `/health` is probed (idle as for `idle_load_interval_s`; engines with
+    `kv_events: false` are always probed every `probe_interval_s`). Probing follows need: an idle engine has no other
+    sign of life, but four probes a second were most of what an idle engine and its agent cost. The price: a freeze
+    of an idle engine is seen within `idle_probe_interval_s + probe_timeout_s` (3 s) rather than 1.5 s. An engine
+    that starts to work (its KV events) or fails a probe is probed every `probe_interval_s` again at once."""
     probe_timeout_s: float = Field(default=1.0, gt=0)
     """A `/health` (or `/metrics`) read that takes longer fails: a hung engine is reported unhealthy within
     `probe_interval_s + probe_timeout_s`."""

@@ -82,6 +82,7 @@ class SupervisorParams:
     stop_grace_s: float  # SIGTERM to SIGKILL when stopping
     load_interval_s: float | None = None  # how often `/metrics` is scraped; `probe_interval_s` when None
     idle_load_interval_s: float | None = None  # how often while it is idle; `load_interval_s` when None
+    idle_probe_interval_s: float | None = None  # how often while it is idle; `probe_interval_s` when None
     probe_timeout_s: float = 1.0  # a health probe (or scrape) that takes longer fails
     state_dir: str | None = None  # where launches are recorded for a later agent to adopt; None: not recorded
     liveness_timeout_s: float | None = (
@@ -95,6 +96,7 @@ class SupervisorParams:
             restart=config.restart,
             log_dir=runtime_dir,
             probe_interval_s=config.probe_interval_s,
+            idle_probe_interval_s=config.idle_probe_interval_s,
             stop_grace_s=config.stop_grace_s,
             load_interval_s=config.load_interval_s,
             idle_load_interval_s=config.idle_load_interval_s,
@@ -129,11 +131,16 @@ class EngineSupervisor:
         self.load_interval_s = (
             params.load_interval_s or params.probe_interval_s
         )  # how often `/metrics` is read
-        # Read idle engines less often only where their KV events say when work begins (`activity`).
+        # Read and probe idle engines less often only where their KV events say when work begins (`activity`).
         relayed = bool(spec.kv_events)
-        self.idle_load_interval_s = (params.idle_load_interval_s if relayed else None) or self.load_interval_s
+        idle_load, idle_probe = (
+            (params.idle_load_interval_s, params.idle_probe_interval_s) if relayed else (None, None)
+        )
+        self.idle_load_interval_s = idle_load or self.load_interval_s
+        self.idle_probe_interval_s = idle_probe or self.probe_interval_s
         self.on_load: Callable[[EngineSupervisor], None] | None = None  # after a scrape that found news
         self.scrapes = 0  # successful `/metrics` reads since the agent started
+        self.probes = 0  # health probes since the agent started
         self.idle = (
             False  # the last read found the engine idle (`engine_idle`): read every idle_load_interval_s
         )
@@ -403,11 +410,12 @@ class EngineSupervisor:
                     await exited  # its pidfd reader is removed before anything closes the pidfd
 
     async def _watch(self, http: aiohttp.ClientSession, exited: asyncio.Future) -> None:
-        """Until the process exits: probes its health every `probe_interval_s`, and reads its load every
-        `load_interval_s` while it works, every `idle_load_interval_s` while idle, and at once when an idle engine
-        publishes KV events (`activity`)."""
+        """Until the process exits: probes its health every `probe_interval_s` (every `idle_probe_interval_s` while
+        it is idle and healthy), and reads its load every `load_interval_s` while it works, every
+        `idle_load_interval_s` while idle, and at once when an idle engine publishes KV events (`activity`)."""
         loop = asyncio.get_running_loop()
-        next_probe = loop.time() + self.probe_interval_s
+        probed_at = loop.time()
+        next_probe = probed_at + self.probe_interval_s
         next_scrape = loop.time() if self.base_url else math.inf
         scraped_at = -math.inf
         self._answered_at, self._failed = loop.time(), 0
@@ -423,24 +431,33 @@ class EngineSupervisor:
                     wake.clear()
                     woken = asyncio.ensure_future(wake.wait())
                     next_scrape = min(next_scrape, scraped_at + self.load_interval_s)
+                    next_probe = min(next_probe, probed_at + self.probe_interval_s)
                 if loop.time() >= next_probe - TIMER_SLACK_S:
-                    next_probe = loop.time() + self.probe_interval_s
+                    probed_at = loop.time()
+                    next_probe = probed_at + self.probe_interval_s
                     if not await self._check_health(http):
                         continue  # killed: `exited` follows
+                    next_probe = probed_at + self._probe_interval()
                 if loop.time() >= next_scrape - TIMER_SLACK_S:
                     scraped_at = loop.time()
                     if self.healthy and await self._scrape(http) and self.on_load is not None:
                         self.on_load(self)
                     interval = self.idle_load_interval_s if self.idle else self.load_interval_s
                     next_scrape = scraped_at + interval
+                    next_probe = min(next_probe, probed_at + self._probe_interval())  # at work: probed often
         finally:
             woken.cancel()
             self._wake = None
+
+    def _probe_interval(self) -> float:
+        """Seconds from one health probe to the next: `idle_probe_interval_s` while the engine is idle and healthy."""
+        return self.idle_probe_interval_s if self.idle and self.healthy else self.probe_interval_s
 
     async def _check_health(self, http: aiohttp.ClientSession) -> bool:
         """One health probe: reports a change of health, and kills a process silent past `liveness_timeout_s`
         (returns False then)."""
         now = asyncio.get_running_loop().time
+        self.probes += 1
         healthy = await self._probe(http)
         self._failed = 0 if healthy else self._failed + 1
         if healthy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Sequence
 from typing import Annotated
@@ -31,8 +32,10 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host, port
 
 
+@functools.lru_cache(maxsize=1024)
 def join_host_port(host: str, port: int) -> str:
-    """The inverse of `split_host_port`: brackets IPv6 literals."""
+    """The inverse of `split_host_port`: brackets IPv6 literals. Cached: a node agent joins each engine's address
+    for every probe and read, and parsing the host as an IP address cost more than the rest of a probe's setup."""
     try:
         if ipaddress.ip_address(host).version == 6:
             return f"[{host}]:{port}"

@@ -181,21 +181,32 @@ def test_an_engine_is_idle_with_nothing_queued_and_no_progress_since_the_last_re
     assert not same_load(quiet, EngineLoad(progress={0: (120, 40)}, kv_cache_usage=0.5))
 
 
-async def test_an_idle_engine_is_read_seldom_and_at_once_when_it_works(tmp_path, registry):
-    """Idle, an engine is read every `idle_load_interval_s` (30 s here) instead of every `load_interval_s` (0.1 s);
-    the KV events of a request that computes new blocks bring a read at once and reads at `load_interval_s` while it
+async def test_an_idle_engine_is_read_and_probed_seldom_and_often_again_when_it_works(tmp_path, registry):
+    """Idle, an engine is read every `idle_load_interval_s` (30 s here) instead of every `load_interval_s` (0.1 s)
+    and probed every `idle_probe_interval_s` (30 s) instead of every `probe_interval_s` (0.1 s); the KV events of a
+    request that computes new blocks bring a read at once, and reads and probes at the short intervals while it
     works; done, it is idle again. Bounded: one engine, one request, about 10 s."""
     config = sim_node(tmp_path, registry.address, "--speedup", "5", kv_events=True).model_copy(
-        update={"load_interval_s": 0.1, "idle_load_interval_s": 30.0}
+        update={
+            "load_interval_s": 0.1,
+            "idle_load_interval_s": 30.0,
+            "probe_interval_s": 0.1,
+            "idle_probe_interval_s": 30.0,
+        }
     )
     agent = NodeAgent(config, registry.address, "127.0.0.1:1")
     sup = agent.supervisors["sim-0"]
     await agent.start()
     try:
         await eventually(lambda: sup.state is EngineState.RUNNING and sup.scrapes >= 2, 30, "read twice")
-        before = sup.scrapes
-        await asyncio.sleep(1.0)  # an observation window: at load_interval_s it would hold 10 reads
+        await eventually(lambda: sup.idle, 5, "a read that finds it idle")
+        await asyncio.sleep(0.2)  # the probe already due when it was found idle
+        before, probes = sup.scrapes, sup.probes
+        await asyncio.sleep(
+            1.0
+        )  # an observation window: at the short intervals it would hold 10 reads and probes
         assert sup.scrapes == before, "an idle engine read again before idle_load_interval_s"
+        assert sup.probes == probes, "an idle engine probed again before idle_probe_interval_s"
         prompt = " ".join(f"word{i}" for i in range(300))  # ~19 blocks to compute: KV events
         async with httpx.AsyncClient(timeout=30) as http:
             sent = asyncio.create_task(
@@ -210,10 +221,13 @@ async def test_an_idle_engine_is_read_seldom_and_at_once_when_it_works(tmp_path,
             reply = await sent
             assert reply.status_code == 200, reply.text
         assert sup.scrapes >= before + 3, sup.scrapes - before  # read at load_interval_s while it worked
+        assert sup.probes >= probes + 3, sup.probes - probes  # probed at probe_interval_s while it worked
         await eventually(lambda: sup.idle, 3, "a read that finds it idle again")
-        quiet = sup.scrapes
+        await asyncio.sleep(0.2)
+        quiet, probes = sup.scrapes, sup.probes
         await asyncio.sleep(1.0)  # the same window, after the work
         assert sup.scrapes == quiet, sup.scrapes - quiet
+        assert sup.probes == probes, sup.probes - probes
     finally:
         await agent.stop(stop_engines=True)
 
