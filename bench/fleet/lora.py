@@ -399,28 +399,12 @@ def run(
     progress=None,
 ) -> list[LoraResult]:
     """Every row on every workload."""
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
-    from bench.fleet.runs import _token_ids
+    from bench.fleet.runs import _token_ids, run_many
 
     engine = engine or EngineSpec()
     word_ids = _token_ids()
     jobs = [(w, label, lora, engine, word_ids) for w in workloads for label in ROWS]
-    workers = workers or os.cpu_count() or 1
-    if workers == 1:
-        outs = []
-        for j in jobs:
-            outs.append(run_row(j))
-            if progress is not None:
-                progress(1)
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            outs = []
-            for out in pool.map(run_row, jobs):
-                outs.append(out)
-                if progress is not None:
-                    progress(1)
+    outs = run_many(jobs, workers, progress, run=run_row)
     results = []
     for i, w in enumerate(workloads):
         chunk = outs[i * len(ROWS) : (i + 1) * len(ROWS)]

@@ -18,13 +18,12 @@ goodput (output tokens a second of the requests that met their SLO) and refusals
 from __future__ import annotations
 
 import heapq
-import os
 import random
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.fleet.instance import EngineSpec, SimInstance
+from bench.fleet.runs import run_many
 from bench.replay import percentile
 from coordinator.flow_control import (
     DEFAULT_HEADROOM,
@@ -446,19 +445,17 @@ def cmd_overload(args, progress) -> tuple[str, list]:
     peers = getattr(args, "peers", True)
     cfgs = [OverloadConfig(**{**base.__dict__, "burst": burst}) for burst in args.bursts]
     jobs = [(cfg, i, peers, rate) for cfg in cfgs for i in range(len(admissions(cfg, peers)))]
-    workers = min(len(jobs), getattr(args, "workers", 0) or os.cpu_count() or 1)
-    with ProcessPoolExecutor(workers) as pool:
-        for (cfg, *_), (label, holds, result) in zip(jobs, pool.map(run_one, jobs), strict=True):
-            progress(1)
-            for c in TRAFFIC:
-                t = result.tiers[c.tier]
-                lines.append(
-                    f"| {cfg.burst:g}x | {label} | {c.tier.value} | {t.sent} | {t.refused} "
-                    f"| {t.met / t.sent:.0%} | {percentile(t.ttft_s, 50) * 1000:.0f} "
-                    f"| {percentile(t.ttft_s, 99) * 1000:.0f} | {result.goodput(c.tier):.0f} | "
-                    f"{result.queue_peak if holds else '-'} |"
-                )
-                rows.append((cfg.burst, label, c.tier.value, t, result))
+    results = run_many(jobs, getattr(args, "workers", 0), progress, run=run_one)
+    for (cfg, *_), (label, holds, result) in zip(jobs, results, strict=True):
+        for c in TRAFFIC:
+            t = result.tiers[c.tier]
+            lines.append(
+                f"| {cfg.burst:g}x | {label} | {c.tier.value} | {t.sent} | {t.refused} "
+                f"| {t.met / t.sent:.0%} | {percentile(t.ttft_s, 50) * 1000:.0f} "
+                f"| {percentile(t.ttft_s, 99) * 1000:.0f} | {result.goodput(c.tier):.0f} | "
+                f"{result.queue_peak if holds else '-'} |"
+            )
+            rows.append((cfg.burst, label, c.tier.value, t, result))
     if getattr(args, "plot", None):
         plot(rows, base, Path(args.plot))
     return "\n".join(lines), rows

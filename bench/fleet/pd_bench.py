@@ -8,10 +8,8 @@ neighbours), or `--prefill` alone. The `aggregated` row runs every instance hybr
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,23 +31,10 @@ def run_pd_one(job: tuple[PdConfig, Any]) -> PdResult:
 def run_pd_many(
     jobs: list, workers: int = 0, progress: Callable[[int], None] | None = None
 ) -> list[PdResult]:
-    """Simulations in `workers` processes (0: one per core), results in job order."""
-    workers = workers or os.cpu_count() or 1
-    if workers == 1 or len(jobs) == 1:
-        out = []
-        for job in jobs:
-            out.append(run_pd_one(job))
-            if progress is not None:
-                progress(1)
-        return out
-    results: list[PdResult | None] = [None] * len(jobs)
-    with ProcessPoolExecutor(workers) as pool:
-        futures = {pool.submit(run_pd_one, job): i for i, job in enumerate(jobs)}
-        for fut in as_completed(futures):
-            results[futures[fut]] = fut.result()
-            if progress is not None:
-                progress(1)
-    return results  # type: ignore[return-value]
+    """P/D simulations in `workers` processes (0: one per core), results in job order."""
+    from bench.fleet.runs import run_many
+
+    return run_many(jobs, workers, progress, run=run_pd_one)
 
 
 def rule_jobs(
@@ -155,7 +140,7 @@ def suggested_split(r: PdResult) -> str:
 def cost_line(runs: int, cpu_s: float) -> str:
     """What the sweep cost: runs and CPU seconds (the wall time on idle cores is about CPU / cores)."""
     return (
-        f"{runs} simulations, {cpu_s:.0f} CPU seconds in all ({cpu_s / max(runs, 1):.0f} s per simulation)."
+        f"{runs} simulations, {cpu_s:.0f} CPU seconds in all ({cpu_s / max(runs, 1):.2g} s per simulation)."
     )
 
 

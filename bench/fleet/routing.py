@@ -168,15 +168,8 @@ def run_cells(
 
 
 def _prepare_all(cells, warm, warmup, engine, max_input, max_output, workers):
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
     jobs = [(c, warm, warmup, engine, max_input, max_output) for c in cells]
-    workers = workers or os.cpu_count() or 1
-    if workers == 1 or len(jobs) == 1:
-        return [_prepare(j) for j in jobs]
-    with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(_prepare, jobs))
+    return run_many(jobs, workers, run=_prepare)
 
 
 @dataclass(frozen=True)

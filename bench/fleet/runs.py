@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.fleet.instance import EngineSpec
 from bench.fleet.sim import FleetConfig, FleetResult, simulate
 from bench.fleet.workload import arrivals
 from bench.trace import load_rows
+
+J = TypeVar("J")
+R = TypeVar("R")
 
 #: Tandem's policies and the peers' re-implementations, by label: (type, params).
 POLICY_ROWS: dict[str, tuple[str, Mapping[str, Any] | None]] = {
@@ -57,26 +60,25 @@ def run_one(job: tuple[FleetConfig, Workload]) -> FleetResult:
     return simulate(cfg, work.arrivals(), _token_ids(), work.seed)
 
 
-def run_many(jobs: list[tuple[FleetConfig, Workload]], workers: int = 0, progress=None) -> list[FleetResult]:
-    """Simulations in `workers` processes (0: one per core), results in job order."""
+def run_many(jobs: Sequence[J], workers: int = 0, progress=None, run: Callable[[J], R] = run_one) -> list[R]:
+    """`run(job)` for every job (by default a simulation), in `workers` processes (0: one per core; `run` and the
+    jobs must pickle), results in job order; `progress(1)` after each."""
     workers = workers or os.cpu_count() or 1
-    if workers == 1 or len(jobs) == 1:
+    if workers == 1 or len(jobs) <= 1:
         out = []
         for job in jobs:
-            out.append(run_one(job))
+            out.append(run(job))
             if progress is not None:
                 progress(1)
         return out
-    results: list[FleetResult | None] = [None] * len(jobs)
-    with ProcessPoolExecutor(workers) as pool:
-        futures = {pool.submit(run_one, job): i for i, job in enumerate(jobs)}
-        from concurrent.futures import as_completed
-
+    results: list[Any] = [None] * len(jobs)
+    with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
+        futures = {pool.submit(run, job): i for i, job in enumerate(jobs)}
         for fut in as_completed(futures):
             results[futures[fut]] = fut.result()
             if progress is not None:
                 progress(1)
-    return results  # type: ignore[return-value]
+    return results
 
 
 def sweep_jobs(base: FleetConfig, work: Workload) -> list[tuple[dict, tuple[FleetConfig, Workload]]]:
