@@ -9,12 +9,13 @@ neighbours), or `--prefill` alone. The `aggregated` row runs every instance hybr
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.fleet.pd import PdConfig, PdResult, best, refine, simulate_pd, splits
 from bench.fleet.pd_rules import RULES
+from bench.fleet.runs import _token_ids, run_many
 
 #: Rows of the table, in order.
 PD_ROWS = tuple(RULES)
@@ -22,19 +23,8 @@ PD_ROWS = tuple(RULES)
 
 def run_pd_one(job: tuple[PdConfig, Any]) -> PdResult:
     """One simulation (picklable, for process pools); `work` has `arrivals()` and `seed`."""
-    from bench.fleet.runs import _token_ids
-
     cfg, work = job
     return simulate_pd(cfg, work.arrivals(), _token_ids(), work.seed)
-
-
-def run_pd_many(
-    jobs: list, workers: int = 0, progress: Callable[[int], None] | None = None
-) -> list[PdResult]:
-    """P/D simulations in `workers` processes (0: one per core), results in job order."""
-    from bench.fleet.runs import run_many
-
-    return run_many(jobs, workers, progress, run=run_pd_one)
 
 
 def rule_jobs(
@@ -65,7 +55,7 @@ def sweep(
     """Each rule's best run over the two rounds of splits (or at `prefill`)."""
     jobs = rule_jobs(base, work, rules, prefill)
     labels = [label for label, _ in jobs]
-    results = run_pd_many([j for _, j in jobs], workers, progress)
+    results = run_many([j for _, j in jobs], workers, progress, run=run_pd_one)
     if not prefill:
         first = best_per_rule(labels, results)
         tried: dict[str, list[int]] = {}
@@ -77,7 +67,7 @@ def sweep(
         jobs2 = rule_jobs(base, work, rules, prefill, more)
         if jobs2:
             labels += [label for label, _ in jobs2]
-            results += run_pd_many([j for _, j in jobs2], workers, progress)
+            results += run_many([j for _, j in jobs2], workers, progress, run=run_pd_one)
     SWEEP_COST[0] += len(results)
     SWEEP_COST[1] += sum(r.cpu_s for r in results)
     return best_per_rule(labels, results)
