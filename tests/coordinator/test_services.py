@@ -32,6 +32,14 @@ from tests.helpers import ServicerCalls, mesh_config
 REGISTRY = registry_pb2.DESCRIPTOR.services_by_name["Registry"]
 
 
+async def applied(call, beat: registry_pb2.HeartbeatRequest) -> None:
+    """Sends one heartbeat on `call` (a `Registry/Heartbeat` stream) and waits until the coordinator has applied it:
+    a test that moves a fake clock between beats must not let the stream run ahead of the server, which reads the
+    clock when it applies a beat."""
+    await call.write(beat)
+    assert (await call.read()).known
+
+
 @pytest.fixture
 async def channel(monkeypatch):
     monkeypatch.setenv("TANDEM_NO_BANNER", "1")
@@ -167,11 +175,9 @@ async def test_heartbeat_progress_takes_prefill_off_the_ledger(monkeypatch):
                 )
 
             call = registry.Heartbeat()  # one beat at a time: the commit falls between the two
-            await call.write(beat(5000, 700))  # baseline
-            assert (await call.read()).known
+            await applied(call, beat(5000, 700))  # baseline
             ledger.commit("i0", 300, 20, 420, prompt_tokens=400)  # a request routed meanwhile
-            await call.write(beat(5400, 701))  # its first token: prompt counted
-            assert (await call.read()).known
+            await applied(call, beat(5400, 701))  # its first token: prompt counted
             await call.done_writing()
             (stats,) = (await admin.GetStats(admin_pb2.GetStatsRequest())).instances
             assert (stats.prefill_tokens, stats.inflight_requests) == (0, 1)
@@ -204,19 +210,12 @@ async def test_busy_heartbeats_teach_the_latency_model_and_metrics_show_it(monke
                     instance_id="i0", health=common_pb2.HEALTH_HEALTHY, load=load
                 )
 
-            # One beat at a time, each applied before the clock moves (the server reads the clock when it applies
-            # a beat; a stream written ahead gave the beats other intervals, and this test failed now and then).
-            call = registry.Heartbeat()
-
-            async def send(b: registry_pb2.HeartbeatRequest) -> None:
-                await call.write(b)
-                assert (await call.read()).known
-
-            await send(beat(0, 0, 1))  # baseline
+            call = registry.Heartbeat()  # one beat at a time (a generator ran ahead: it failed now and then)
+            await applied(call, beat(0, 0, 1))  # baseline
             for k in range(1, 13):  # 3 s busy: each quarter second one 1,000-token prefill done
                 ledger.commit("i0", 1000, 1, 1001, prompt_tokens=1000)
                 now[0] = k * 0.25
-                await send(beat(1000 * k, k, 1))
+                await applied(call, beat(1000 * k, k, 1))
             await call.done_writing()
         assert book.observed("i0") == 1  # one window of 2 s
         assert book.costs("i0").prefill > book.prior.prefill  # 4,000 tokens/s: slower than the prior's 10,000
@@ -262,17 +261,12 @@ async def test_heartbeats_feed_the_pd_sizing_signal_on_getstats_and_metrics(monk
                 )
 
             call = registry.Heartbeat()  # one beat at a time: each is applied before the clock moves
-
-            async def send(b: registry_pb2.HeartbeatRequest) -> None:
-                await call.write(b)
-                assert (await call.read()).known
-
-            await send(beat("p0", 0, 0))  # baselines
-            await send(beat("d0", 0, 0))
+            await applied(call, beat("p0", 0, 0))  # baselines
+            await applied(call, beat("d0", 0, 0))
             for k in range(1, 11):  # 10 s: a 2,000-token prefill done each second on p0
                 ledger.commit("p0", 2000, 0, 2000, prompt_tokens=2000)
                 now[0] = float(k)
-                await send(beat("p0", 2000 * k, k))
+                await applied(call, beat("p0", 2000 * k, k))
             await call.done_writing()
         async with grpc.aio.insecure_channel(config["coordinator"]["listen"]) as ch:
             (z,) = (await admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest())).sizing

@@ -202,9 +202,8 @@ async def test_an_idle_engine_is_read_and_probed_seldom_and_often_again_when_it_
         await eventually(lambda: sup.idle, 5, "a read that finds it idle")
         await asyncio.sleep(0.2)  # the probe already due when it was found idle
         before, probes = sup.scrapes, sup.probes
-        await asyncio.sleep(
-            1.0
-        )  # an observation window: at the short intervals it would hold 10 reads and probes
+        # An observation window: at the short intervals it would hold 10 reads and probes.
+        await asyncio.sleep(1.0)
         assert sup.scrapes == before, "an idle engine read again before idle_load_interval_s"
         assert sup.probes == probes, "an idle engine probed again before idle_probe_interval_s"
         prompt = " ".join(f"word{i}" for i in range(300))  # ~19 blocks to compute: KV events
