@@ -82,6 +82,9 @@ class Sent:
     tenant: str
     status: int  # 0: no answer
     ttft_s: float | None = None  # to the first token, for answers that completed
+    status_s: float | None = (
+        None  # to the reply's status line (for a 429: how long its client waited to learn it)
+    )
     complete: bool = False  # a 200 whose stream ended with [DONE]
     retry_after: str | None = None
     ratelimit_headers: bool = False
@@ -122,6 +125,7 @@ async def send(
             out = Sent(
                 tenant,
                 resp.status,
+                status_s=time.perf_counter() - start,
                 retry_after=resp.headers.get("retry-after"),
                 ratelimit_headers=all(
                     f"x-ratelimit-{kind}-requests" in resp.headers for kind in ("limit", "remaining", "reset")
@@ -311,15 +315,18 @@ def main(argv: list[str] | None = None) -> int:
         f"- Overload, {args.duration:g} s: `free` (flex) Poisson at {args.overload:g}x capacity, `gold` (priority) "
         f"at {args.gold_share:g}x.",
         "",
-        "| tenant | sent | 200 complete | 429 (with retry-after) | other | TTFT p50 | p95 | p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| tenant | sent | 200 complete | 429 (with retry-after) | 429 after p50 / max (ms) | other | TTFT p50 | p95 "
+        "| p99 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, sent in (("gold", gold), ("free", free)):
         ttft = [s.ttft_s for s in sent if s.ttft_s is not None]
         shed_of = [s for s in sent if s.status == 429]
+        learnt = [s.status_s for s in shed_of if s.status_s is not None]
+        shed_after = f"{ms(percentile(learnt, 50))} / {ms(max(learnt))}" if learnt else "-"
         lines.append(
             f"| {name} | {len(sent)} | {sum(s.complete for s in sent)} | {len(shed_of)} "
-            f"({sum(s.retry_after is not None for s in shed_of)}) | "
+            f"({sum(s.retry_after is not None for s in shed_of)}) | {shed_after} | "
             f"{sum(s.status not in (200, 429) for s in sent)} | {ms(percentile(ttft, 50))} | "
             f"{ms(percentile(ttft, 95))} | {ms(percentile(ttft, 99))} |"
         )

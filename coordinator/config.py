@@ -311,10 +311,18 @@ class TierSloSettings(BaseModel):
     """Longest a request of the tier waits; Envoy's decision timeout grows by the largest TTL."""
     admit_on_expiry: bool = False
     """Past the TTL the request goes to an engine anyway (else 429)."""
+    refuse_late: bool = True
+    """A request whose predicted wait in the queue alone exceeds `ttft_slo_s` is answered 429 at arrival instead of
+    waiting (tiers without `admit_on_expiry`; false: it waits up to the TTL)."""
 
     def slo(self) -> TierSlo:
         return TierSlo(
-            self.ttft_slo_s, self.tpot_slo_s, self.max_queued, self.queue_ttl_s, self.admit_on_expiry
+            self.ttft_slo_s,
+            self.tpot_slo_s,
+            self.max_queued,
+            self.queue_ttl_s,
+            self.admit_on_expiry,
+            self.refuse_late,
         )
 
 
@@ -326,6 +334,7 @@ def _tier_default(tier: Tier) -> TierSloSettings:
         max_queued=d.max_queued,
         queue_ttl_s=d.queue_ttl_s,
         admit_on_expiry=d.admit_on_expiry,
+        refuse_late=d.refuse_late,
     )
 
 

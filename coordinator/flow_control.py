@@ -18,6 +18,13 @@ requests gets `quantum_tokens` more credit and sends its head request once its c
 so a tenant with many or large requests cannot starve one with few or small ones, and in the long run each
 backlogged tenant gets an equal share of tokens.
 
+**Late requests are refused at once.** A request that would wait (tier `refuse_late`, the default of every tier
+without `admit_on_expiry`) is refused at arrival (`late`) when the predicted wait alone exceeds its tier's TTFT
+SLO: the tokens waiting at its tier and above, drained at the rate tokens have been released from the queue lately
+(`drain_rate`). It could not meet its SLO, and served late it would take capacity from requests that still can;
+its client learns it at once instead of after the TTL, with a `retry-after` of that wait. Before the first
+release there is no rate, and nothing is refused as late.
+
 **Bounds.** A tier holds at most `max_queued` requests and all tiers together `max_queued_total`. An arrival
 finding its tier full is refused (429 `rejected: saturated`). An arrival finding the total full displaces the
 newest request of the lowest tier below its own (that one is refused, reason `displaced`), or is refused if there
@@ -56,6 +63,9 @@ class TierSlo:
     max_queued: int  # requests of the tier waiting at once (0: never wait, refuse at once)
     queue_ttl_s: float  # longest a request of the tier waits
     admit_on_expiry: bool = False  # past the TTL: sent to an engine anyway (else refused)
+    refuse_late: bool = (
+        True  # refused at arrival when its predicted wait exceeds its TTFT SLO (no admit_on_expiry)
+    )
 
 
 #: Defaults (docs/scheduling.md): interactive `priority` wants its first token within a second, `default` within
@@ -138,6 +148,7 @@ class Verdict(StrEnum):
 #: Reasons a request is refused (the `reason` label of `tandem_coordinator_shed_total`).
 SATURATED = "saturated"  # its tier's queue, or the whole queue, was full
 EXPIRED = "expired"  # it waited past its tier's TTL
+LATE = "late"  # its predicted wait alone exceeded its tier's TTFT SLO
 DISPLACED = "displaced"  # a request of a higher tier took its place
 
 
@@ -236,20 +247,30 @@ class FlowQueue:
         """Tokens a second released from the queue lately (0 before any)."""
         return self._rate
 
-    def retry_after_s(self, tier: Tier, extra_tokens: int = 0) -> float:
-        """The predicted drain time of the tokens waiting at `tier` and above (see the module doc)."""
+    def wait_s(self, tier: Tier, extra_tokens: int = 0) -> float | None:
+        """The predicted drain time of the tokens waiting at `tier` and above, plus `extra_tokens`, at the drain
+        rate (None before any rate is measured)."""
+        if self._rate <= 0:
+            return None
         tokens = extra_tokens + sum(
             self._tiers[t].tokens for t in TIERS_BY_RANK if TIER_RANK[t] >= TIER_RANK[tier]
         )
-        wait = tokens / self._rate if self._rate > 0 else self.slos[tier].queue_ttl_s
+        return tokens / self._rate
+
+    def retry_after_s(self, tier: Tier, extra_tokens: int = 0) -> float:
+        """`wait_s` with the request's own tokens, or the tier's TTL before any rate, clamped (see the module
+        doc)."""
+        wait = self.wait_s(tier, extra_tokens)
+        wait = self.slos[tier].queue_ttl_s if wait is None else wait
         return min(self.max_retry_after_s, max(1.0, wait))
 
     # --- decisions ------------------------------------------------------------------------------------------
 
     def offer(self, entry: Entry, fits: bool, now: float) -> Decision:
         """A new request: admitted at once when `fits` (some candidate meets its tier's threshold) and nothing at
-        its tier or above waits; else held (its deadline set), displacing a lower tier's newest entry when the
-        whole queue is full; else refused."""
+        its tier or above waits; else refused when its predicted wait exceeds its tier's TTFT SLO (`refuse_late`);
+        else held (its deadline set), displacing a lower tier's newest entry when the whole queue is full; else
+        refused."""
         key = (entry.tier.value, entry.tenant)
         if fits and self.waiting_ahead(entry.tier) == 0:
             self.counters.add(self.counters.admitted, key)
@@ -257,6 +278,10 @@ class FlowQueue:
         slo = self.slos[entry.tier]
         tier_q = self._tiers[entry.tier]
         displaced = None
+        if slo.refuse_late and not slo.admit_on_expiry:
+            wait = self.wait_s(entry.tier)
+            if wait is not None and wait > slo.ttft_slo_s:
+                return self._refuse(entry, LATE)
         if tier_q.size >= slo.max_queued:
             return self._refuse(entry, SATURATED)
         if len(self) >= self.max_queued_total:

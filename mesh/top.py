@@ -156,7 +156,7 @@ def _tiers_table(stats: admin_pb2.GetStatsResponse) -> Table | None:
     for q in stats.queues:
         row = queues.setdefault(q.tier, [0, 0])
         row[0] += q.queued_now
-        row[1] += q.shed_saturated + q.shed_expired + q.shed_displaced
+        row[1] += q.shed_saturated + q.shed_expired + q.shed_displaced + q.shed_late
     tiers = sorted({s.tier for s in stats.ttft_slo} | set(queues))
     if not tiers:
         return None

@@ -83,6 +83,9 @@ class OverloadConfig:
 class TierResult:
     sent: int = 0
     refused: int = 0
+    refused_after_s: list[float] = field(
+        default_factory=list
+    )  # each refused request's arrival to its refusal
     met: int = 0
     ttft_s: list[float] = field(default_factory=list)
     arrived_s: list[float] = field(default_factory=list)  # each answered request's arrival, as `ttft_s`
@@ -185,12 +188,12 @@ class TandemAdmission(Admission):
         entry = Entry(None, c.tier, c.tenant, c.prompt + c.output, fleet.now)
         decision = q.offer(entry, self._fits(c), fleet.now)
         if decision.displaced is not None:
-            _, displaced = self._waiting.pop(decision.displaced)
-            fleet.refuse(displaced)
+            displaced_at, displaced = self._waiting.pop(decision.displaced)
+            fleet.refuse(displaced, displaced_at)
         if decision.verdict == Verdict.ADMIT:
             fleet.dispatch(arrived, c)
         elif decision.verdict == Verdict.REJECT:
-            fleet.refuse(c)
+            fleet.refuse(c, arrived)
         else:
             self._waiting[entry] = (arrived, c)
             fleet.at(entry.deadline, lambda: self._expire(entry))
@@ -203,7 +206,7 @@ class TandemAdmission(Admission):
         if self.queue.expire(entry).verdict == Verdict.ADMIT:
             self.fleet.dispatch(arrived, c)
         else:
-            self.fleet.refuse(c)
+            self.fleet.refuse(c, arrived)
 
     def _kick(self) -> None:
         q = self.queue
@@ -307,9 +310,12 @@ class OverloadFleet:
             if dt is not None:
                 self.push(self.now + dt, _STEP_END, inst)
 
-    def refuse(self, c: TrafficClass) -> None:
-        """The request is refused (a 429, 503 or 529 by the policy's system; not retried)."""
-        self.result.tiers[c.tier].refused += 1
+    def refuse(self, c: TrafficClass, arrived: float) -> None:
+        """The request that arrived at `arrived` is refused now (a 429, 503 or 529 by the policy's system; not
+        retried)."""
+        t = self.result.tiers[c.tier]
+        t.refused += 1
+        t.refused_after_s.append(self.now - arrived)
 
     # --- the run --------------------------------------------------------------------------------------------
 
@@ -438,8 +444,9 @@ def cmd_overload(args, progress) -> tuple[str, list]:
         f"the burst for {base.burst_s:g} s, {base.steady:.0%} for {base.steady_s:g} s; Poisson, seed {base.seed}. "
         "SLOs: the defaults (priority TTFT 1 s / TPOT 0.1 s, flex 10 s / 0.3 s); TTFT from arrival, in simulated ms.",
         "",
-        "| burst | admission | tier | sent | refused | SLO met | TTFT p50 | TTFT p99 | goodput tok/s | queue peak |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| burst | admission | tier | sent | refused | slowest refusal (ms) | SLO met | TTFT p50 | TTFT p99 "
+        "| goodput tok/s | queue peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     peers = getattr(args, "peers", True)
@@ -449,20 +456,55 @@ def cmd_overload(args, progress) -> tuple[str, list]:
     for (cfg, *_), (label, holds, result) in zip(jobs, results, strict=True):
         for c in TRAFFIC:
             t = result.tiers[c.tier]
+            slowest = f"{max(t.refused_after_s) * 1000:.0f}" if t.refused_after_s else "-"
             lines.append(
-                f"| {cfg.burst:g}x | {label} | {c.tier.value} | {t.sent} | {t.refused} "
+                f"| {cfg.burst:g}x | {label} | {c.tier.value} | {t.sent} | {t.refused} | {slowest} "
                 f"| {t.met / t.sent:.0%} | {percentile(t.ttft_s, 50) * 1000:.0f} "
                 f"| {percentile(t.ttft_s, 99) * 1000:.0f} | {result.goodput(c.tier):.0f} | "
                 f"{result.queue_peak if holds else '-'} |"
             )
             rows.append((cfg.burst, label, c.tier.value, t, result))
+    lines += ["", *goal_lines(rows)]
     if getattr(args, "plot", None):
         plot(rows, base, Path(args.plot))
     return "\n".join(lines), rows
 
 
+#: The row of Tandem's admission as it ships.
+SHIPPED = f"on, headroom {DEFAULT_HEADROOM:g}"
+#: Tandem's own rows (the rest are the peers').
+OWN_LABELS = ("off", "on, headroom 1", SHIPPED)
+
+
+def goal_lines(rows) -> list[str]:
+    """Issue 22's goal per burst, for the row as it ships: priority's SLO attainment, total goodput against every
+    peer row's, and the slowest refusal."""
+    out = []
+    for burst in sorted({r[0] for r in rows}):
+        here = [r for r in rows if r[0] == burst]
+        total: dict[str, float] = {}
+        for _, label, _, _, result in here:
+            total[label] = sum(result.goodput(tier) for tier in result.tiers)
+        ours = [t for _, label, tier, t, _ in here if label == SHIPPED and tier == Tier.PRIORITY.value]
+        peers = {label: g for label, g in total.items() if label not in OWN_LABELS}
+        if not ours or not peers:
+            continue
+        best_label = max(peers, key=peers.__getitem__)
+        waits = [w for _, label, _, t, _ in here if label == SHIPPED for w in t.refused_after_s]
+        ratio = total[SHIPPED] / peers[best_label]
+        met = ours[0].met / ours[0].sent
+        ok = met >= 0.99 and ratio >= 1.3 and max(waits, default=0.0) <= 0.05
+        out.append(
+            f"Goal at {burst:g}x ({'met' if ok else 'missed'}): priority SLO met {met:.1%} (>= 99%); goodput over "
+            f"both tiers {total[SHIPPED]:.0f} tok/s, x{ratio:.2f} the best peer row ({best_label}, "
+            f"{peers[best_label]:.0f}; >= x1.3); slowest refusal {max(waits, default=0.0) * 1000:.0f} ms "
+            "(<= 50 ms)."
+        )
+    return out
+
+
 #: The rows the plot draws, by admission label (`Admission.label`): none, as it ships, and the peers' queueing.
-PLOTTED = ("off", f"on, headroom {DEFAULT_HEADROOM:g}", "llm-d flow control", "Dynamo (as shipped)")
+PLOTTED = ("off", SHIPPED, "llm-d flow control", "Dynamo (as shipped)")
 
 
 def plot(rows, cfg: OverloadConfig, path: Path) -> None:

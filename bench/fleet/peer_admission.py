@@ -126,7 +126,7 @@ class LlmDShipped(_LlmDScrape):
 
     def offer(self, arrived: float, c: TrafficClass) -> None:
         if LLMD_PRIORITY[c.tier] < 0 and self.saturation() >= 1.0:
-            self.fleet.refuse(c)
+            self.fleet.refuse(c, arrived)
             return
         self.fleet.dispatch(arrived, c)
 
@@ -210,7 +210,7 @@ class LlmDLatencySlo(LlmDShipped):
             idle = any(n == 0 for n in self._dispatched)
             cold = any(kv < LLMD_COLD_KV for _, kv, _ in self.metrics)
             if not (valid or idle or cold):
-                fleet.refuse(c)
+                fleet.refuse(c, arrived)
                 return
         super().offer(arrived, c)
 
@@ -309,7 +309,7 @@ class Dynamo(Admission):
     def _send(self, arrived: float, c: TrafficClass) -> None:
         free = {w for w in range(len(self.prefill)) if not self.overloaded(w)}
         if not free:
-            self.fleet.refuse(c)  # 529: all workers busy
+            self.fleet.refuse(c, arrived)  # 529: all workers busy
             return
         self.fleet.dispatch(arrived, c, None if len(free) == len(self.prefill) else free)
 

@@ -110,7 +110,7 @@ class _Fleet:
     def dispatch(self, arrived, c, allowed=None) -> None:
         self.sent.append((c, allowed))
 
-    def refuse(self, c) -> None:
+    def refuse(self, c, arrived) -> None:
         self.refused.append(c)
 
 

@@ -11,6 +11,7 @@ import yaml
 from coordinator.config_watch import ConfigWatch, watch_config
 from coordinator.scheduling import least_load, registry
 from coordinator.scheduling.interface import PolicyType
+from coordinator.tenants import Tier
 from mesh.config import ConfigError, load_mesh_config, parse_mesh_config
 from tests.helpers import eventually, make_picker
 
@@ -214,9 +215,14 @@ def test_replicas_need_etcd_and_get_their_own_name_and_ports():
 
 def test_flow_control_keys_keep_each_tiers_defaults_and_bad_values_name_the_key():
     flow = parse_mesh_config(
-        {"coordinator": {"flow_control": {"enabled": True, "flex": {"queue_ttl_s": 60}}}}
+        {
+            "coordinator": {
+                "flow_control": {"enabled": True, "flex": {"queue_ttl_s": 60, "refuse_late": False}}
+            }
+        }
     ).coordinator.flow_control
     assert flow.flex.queue_ttl_s == 60 and flow.flex.ttft_slo_s == 10.0  # the rest of flex's defaults
+    assert not flow.slos()[Tier.FLEX].refuse_late and flow.slos()[Tier.DEFAULT].refuse_late
     assert flow.priority.admit_on_expiry and not flow.default.admit_on_expiry
     assert flow.max_wait_s == 60
     assert parse_mesh_config({}).coordinator.flow_control.max_wait_s == 0  # off by default

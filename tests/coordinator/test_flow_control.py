@@ -7,6 +7,7 @@ import pytest
 from coordinator.flow_control import (
     DISPLACED,
     EXPIRED,
+    LATE,
     SATURATED,
     EngineView,
     Entry,
@@ -171,6 +172,35 @@ def test_retry_after_from_the_drain_rate():
     assert q.retry_after_s(F, 1000) == pytest.approx(2.1, rel=0.1)
     # A priority request does not wait for flex work: the floor.
     assert q.retry_after_s(P, 100) == 1.0
+
+
+def test_a_request_whose_wait_alone_exceeds_its_ttft_slo_is_refused_at_arrival():
+    def draining(**flex) -> FlowQueue:
+        """A queue releasing 10k tokens a second with 11 waiting flex requests of 10k tokens (an 11 s wait)."""
+        tiers = {**slos(max_queued=1000), F: TierSlo(10.0, 0.3, 1000, 60.0, **flex)}
+        q = FlowQueue(tiers, max_queued_total=1000)
+        assert q.wait_s(F) is None  # no rate before the first release: nothing is late
+        for _ in range(31):
+            q.offer(entry(F, tokens=10_000), fits=False, now=0)
+        for step in range(1, 21):
+            q.release(q.head(), step)
+        assert q.drain_rate == pytest.approx(10_000, rel=0.05)
+        return q
+
+    q = draining()
+    d = q.offer(entry(F, "b"), fits=False, now=20)
+    assert d.verdict == Verdict.REJECT and d.reason == LATE
+    assert d.retry_after_s == pytest.approx(11.0, rel=0.1)
+    assert q.counters.shed == {("flex", "b", LATE): 1} and q.depth(F) == 11
+    # A tier above waits for its own tier and above only; priority (admitted past its TTL) is never late.
+    assert q.offer(entry(D), fits=False, now=20).verdict == Verdict.HOLD
+    for _ in range(200):
+        q.offer(entry(P, tokens=10_000), fits=False, now=20)
+    assert q.offer(entry(P), fits=False, now=20).verdict == Verdict.HOLD
+    # Fitting with nothing waiting ahead is admitted, whatever the queue below holds.
+    assert draining().offer(entry(P), fits=True, now=20).verdict == Verdict.ADMIT
+    # `refuse_late: false`: it waits, up to the TTL.
+    assert draining(refuse_late=False).offer(entry(F), fits=False, now=20).verdict == Verdict.HOLD
 
 
 def test_remove_frees_everything():
