@@ -312,8 +312,8 @@ class TierSloSettings(BaseModel):
     admit_on_expiry: bool = False
     """Past the TTL the request goes to an engine anyway (else 429)."""
     refuse_late: bool = True
-    """A request whose predicted wait in the queue alone exceeds `ttft_slo_s` is answered 429 at arrival instead of
-    waiting (tiers without `admit_on_expiry`; false: it waits up to the TTL)."""
+    """A request whose predicted wait in the queue plus the tier's TTFT threshold exceeds `ttft_slo_s` is answered
+    429 at arrival instead of waiting (tiers without `admit_on_expiry`; false: it waits up to the TTL)."""
 
     def slo(self) -> TierSlo:
         return TierSlo(

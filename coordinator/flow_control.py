@@ -19,8 +19,9 @@ so a tenant with many or large requests cannot starve one with few or small ones
 backlogged tenant gets an equal share of tokens.
 
 **Late requests are refused at once.** A request that would wait (tier `refuse_late`, the default of every tier
-without `admit_on_expiry`) is refused at arrival (`late`) when the predicted wait alone exceeds its tier's TTFT
-SLO: the tokens waiting at its tier and above, drained at the rate tokens have been released from the queue lately
+without `admit_on_expiry`) is refused at arrival (`late`) when its predicted wait plus its tier's TTFT threshold
+(the most an engine it is released to may take to its first token) exceeds its tier's TTFT SLO. The wait is the
+tokens waiting at its tier and above, drained at the rate tokens have been released from the queue lately
 (`drain_rate`). It could not meet its SLO, and served late it would take capacity from requests that still can;
 its client learns it at once instead of after the TTL, with a `retry-after` of that wait. Before the first
 release there is no rate, and nothing is refused as late.
@@ -148,7 +149,7 @@ class Verdict(StrEnum):
 #: Reasons a request is refused (the `reason` label of `tandem_coordinator_shed_total`).
 SATURATED = "saturated"  # its tier's queue, or the whole queue, was full
 EXPIRED = "expired"  # it waited past its tier's TTL
-LATE = "late"  # its predicted wait alone exceeded its tier's TTFT SLO
+LATE = "late"  # its predicted wait and its tier's TTFT threshold exceeded its tier's TTFT SLO
 DISPLACED = "displaced"  # a request of a higher tier took its place
 
 
@@ -268,7 +269,8 @@ class FlowQueue:
 
     def offer(self, entry: Entry, fits: bool, now: float) -> Decision:
         """A new request: admitted at once when `fits` (some candidate meets its tier's threshold) and nothing at
-        its tier or above waits; else refused when its predicted wait exceeds its tier's TTFT SLO (`refuse_late`);
+        its tier or above waits; else refused when its predicted wait and threshold exceed its tier's TTFT SLO
+        (`refuse_late`);
         else held (its deadline set), displacing a lower tier's newest entry when the whole queue is full; else
         refused."""
         key = (entry.tier.value, entry.tenant)
@@ -280,7 +282,7 @@ class FlowQueue:
         displaced = None
         if slo.refuse_late and not slo.admit_on_expiry:
             wait = self.wait_s(entry.tier)
-            if wait is not None and wait > slo.ttft_slo_s:
+            if wait is not None and wait + self.thresholds[entry.tier][0] > slo.ttft_slo_s:
                 return self._refuse(entry, LATE)
         if tier_q.size >= slo.max_queued:
             return self._refuse(entry, SATURATED)

@@ -108,8 +108,8 @@ QUEUE_WAIT_SECONDS = Histogram(
 SHED = Counter(
     "tandem_coordinator_shed",
     "Requests the admission queue answered 429 `rejected: saturated`, by reason (saturated: the queue was full; "
-    "expired: past the tier's queue TTL; displaced: a higher tier took its place; late: its predicted wait alone "
-    "exceeded the tier's TTFT SLO)",
+    "expired: past the tier's queue TTL; displaced: a higher tier took its place; late: its predicted wait and "
+    "the tier's TTFT threshold exceeded its TTFT SLO)",
     ["tier", "tenant", "reason"],
 )
 

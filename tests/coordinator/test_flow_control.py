@@ -174,24 +174,27 @@ def test_retry_after_from_the_drain_rate():
     assert q.retry_after_s(P, 100) == 1.0
 
 
-def test_a_request_whose_wait_alone_exceeds_its_ttft_slo_is_refused_at_arrival():
-    def draining(**flex) -> FlowQueue:
+def test_a_request_that_would_start_after_its_ttft_slo_is_refused_at_arrival():
+    def draining(ttft_slo_s: float = 10.0, **flex) -> FlowQueue:
         """A queue releasing 10k tokens a second with 11 waiting flex requests of 10k tokens (an 11 s wait)."""
-        tiers = {**slos(max_queued=1000), F: TierSlo(10.0, 0.3, 1000, 60.0, **flex)}
-        q = FlowQueue(tiers, max_queued_total=1000)
+        tiers = {**slos(max_queued=1000), F: TierSlo(ttft_slo_s, 0.3, 1000, 60.0, **flex)}
+        q = FlowQueue(tiers, max_queued_total=1000)  # flex's threshold: half priority's 1 s TTFT SLO
         assert q.wait_s(F) is None  # no rate before the first release: nothing is late
         for _ in range(31):
             q.offer(entry(F, tokens=10_000), fits=False, now=0)
         for step in range(1, 21):
             q.release(q.head(), step)
-        assert q.drain_rate == pytest.approx(10_000, rel=0.05)
+        assert q.drain_rate == pytest.approx(10_000)
         return q
 
     q = draining()
     d = q.offer(entry(F, "b"), fits=False, now=20)
     assert d.verdict == Verdict.REJECT and d.reason == LATE
-    assert d.retry_after_s == pytest.approx(11.0, rel=0.1)
+    assert d.retry_after_s == pytest.approx(11.01)  # with its own 100 tokens
     assert q.counters.shed == {("flex", "b", LATE): 1} and q.depth(F) == 11
+    # The wait (11 s) plus the most an engine may take once released (0.5 s) is what must fit in the SLO.
+    assert draining(11.4).offer(entry(F), fits=False, now=20).reason == LATE
+    assert draining(11.6).offer(entry(F), fits=False, now=20).verdict == Verdict.HOLD
     # A tier above waits for its own tier and above only; priority (admitted past its TTL) is never late.
     assert q.offer(entry(D), fits=False, now=20).verdict == Verdict.HOLD
     for _ in range(200):
