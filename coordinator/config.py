@@ -23,7 +23,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from coordinator.admission import NodeBook
-from coordinator.flow_control import DEFAULT_HEADROOM, DEFAULT_SLOS, TierSlo
+from coordinator.flow_control import DEFAULT_HEADROOM, DEFAULT_SLOS, DEFAULT_TPOT_HEADROOM, TierSlo
 from coordinator.limits import RequestLimits
 from coordinator.scheduling import Policy, create_policy, pd_joint, policy_types
 from coordinator.scheduling.params import parse_params
@@ -357,6 +357,9 @@ class FlowControlSettings(BaseModel):
     headroom: float = Field(default=DEFAULT_HEADROOM, gt=0, le=1)
     """The share of a higher tier's TTFT SLO that lower tiers' admissions may fill (1: all of it): the rest is kept
     free for the higher tier's arrivals during a burst."""
+    tpot_headroom: float = Field(default=DEFAULT_TPOT_HEADROOM, gt=0, le=1)
+    """The share of a higher tier's TPOT SLO that lower tiers' admissions may fill (1: all of it): the rest is kept
+    for the steps their prompts take from its decoding requests."""
     priority: TierSloSettings = _tier_default(Tier.PRIORITY)
     default: TierSloSettings = _tier_default(Tier.DEFAULT)
     flex: TierSloSettings = _tier_default(Tier.FLEX)

@@ -7,10 +7,12 @@ coordinator, or is refused, and in which order waiting requests go.
 is admitted at once when some candidate engine's predicted TTFT and TPOT (`coordinator/latency.py`) meet its
 tier's *threshold* and nothing of its tier or above is already waiting (no overtaking). The threshold of a tier is
 the tightest SLO of that tier and every tier above it (`thresholds`), those of the tiers above scaled by the
-*headroom* (`DEFAULT_HEADROOM`, 0.5): admitting `flex` work never pushes the fleet past what `priority` requests
-need, and stops while half of their TTFT SLO is still free, so a `priority` request arriving during a burst finds
-room at once instead of waiting behind lower tiers' work admitted just before it. A tier's own, looser SLO only
-says how long its requests may be expected to take. Otherwise the request waits in its tier's queue.
+*headroom* (`DEFAULT_HEADROOM`, 0.5, of their TTFT; `DEFAULT_TPOT_HEADROOM`, 0.9, of their TPOT): admitting `flex`
+work never pushes the fleet past what `priority` requests need, and stops while half of their TTFT SLO is still
+free, so a `priority` request arriving during a burst finds room at once instead of waiting behind lower tiers' work
+admitted just before it; and while a tenth of their TPOT is, so the prompts of lower tiers' requests admitted last
+do not slow the decoding `priority` requests past theirs. A tier's own, looser SLO only says how long its requests
+may be expected to take. Otherwise the request waits in its tier's queue.
 
 **Order.** Strict priority across tiers (`priority`, then `default`, then `flex`); within a tier, deficit round
 robin across tenants on tokens (prompt plus `max_tokens`, the quota's estimate): each turn, a tenant with waiting
@@ -78,20 +80,25 @@ DEFAULT_SLOS: dict[Tier, TierSlo] = {
 }
 
 
-#: The share of a higher tier's TTFT SLO a lower tier's admissions may fill (measured in docs/scheduling.md).
+#: The share of a higher tier's TTFT and TPOT SLOs a lower tier's admissions may fill (measured in
+#: docs/scheduling.md).
 DEFAULT_HEADROOM = 0.5
+DEFAULT_TPOT_HEADROOM = 0.9
 
 
-def thresholds(slos: dict[Tier, TierSlo], headroom: float = 1.0) -> dict[Tier, tuple[float, float]]:
+def thresholds(
+    slos: dict[Tier, TierSlo], headroom: float = 1.0, tpot_headroom: float = 1.0
+) -> dict[Tier, tuple[float, float]]:
     """Per tier, the (TTFT, TPOT) a candidate must meet for a request of it to be admitted: the tightest of its
-    own SLO and those of the tiers above it, their TTFT scaled by `headroom` (1: none kept free)."""
+    own SLO and those of the tiers above it, their TTFT scaled by `headroom` and their TPOT by `tpot_headroom` (1:
+    none kept free)."""
     out: dict[Tier, tuple[float, float]] = {}
-    above = tpot = math.inf  # the tightest TTFT of the tiers above, already scaled
+    ttft = tpot = math.inf  # the tightest of the tiers above, already scaled
     for tier in TIERS_BY_RANK:
         slo = slos[tier]
-        tpot = min(tpot, slo.tpot_slo_s)
-        out[tier] = (min(above, slo.ttft_slo_s), tpot)
-        above = min(above, slo.ttft_slo_s * headroom)
+        out[tier] = (min(ttft, slo.ttft_slo_s), min(tpot, slo.tpot_slo_s))
+        ttft = min(ttft, slo.ttft_slo_s * headroom)
+        tpot = min(tpot, slo.tpot_slo_s * tpot_headroom)
     return out
 
 
@@ -212,9 +219,10 @@ class FlowQueue:
         max_retry_after_s: float = 60.0,
         rate_halflife_s: float = 10.0,
         headroom: float = DEFAULT_HEADROOM,
+        tpot_headroom: float = DEFAULT_TPOT_HEADROOM,
     ) -> None:
         self.slos = dict(slos or DEFAULT_SLOS)
-        self.thresholds = thresholds(self.slos, headroom)
+        self.thresholds = thresholds(self.slos, headroom, tpot_headroom)
         self.max_queued_total = max_queued_total
         self.quantum = max(1, quantum_tokens)
         self.max_retry_after_s = max_retry_after_s

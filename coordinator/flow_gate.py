@@ -105,7 +105,12 @@ class FlowGate:
         if q is None:
             s = self.settings
             q = self.queues[model] = FlowQueue(
-                s.slos(), s.max_queued_total, s.quantum_tokens, s.max_retry_after_s, headroom=s.headroom
+                s.slos(),
+                s.max_queued_total,
+                s.quantum_tokens,
+                s.max_retry_after_s,
+                headroom=s.headroom,
+                tpot_headroom=s.tpot_headroom,
             )
         return q
 

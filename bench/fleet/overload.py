@@ -28,6 +28,7 @@ from bench.replay import percentile
 from coordinator.flow_control import (
     DEFAULT_HEADROOM,
     DEFAULT_SLOS,
+    DEFAULT_TPOT_HEADROOM,
     EngineView,
     Entry,
     FlowQueue,
@@ -75,6 +76,7 @@ class OverloadConfig:
     admission: bool = True
     slos: dict[Tier, TierSlo] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     headroom: float = DEFAULT_HEADROOM  # `coordinator.flow_control.headroom`
+    tpot_headroom: float = DEFAULT_TPOT_HEADROOM  # `coordinator.flow_control.tpot_headroom`
     load_interval_s: float = 0.25
     seed: int = 0
 
@@ -162,14 +164,21 @@ class Admission:
         """After one engine step's ends (Tandem's shell checks its queue's head then)."""
 
 
+def admission_label(headroom: float, tpot_headroom: float) -> str:
+    """A Tandem row's label: its headroom of priority's TTFT and TPOT SLOs (1 and 1: none)."""
+    if headroom == tpot_headroom == 1.0:
+        return "on, headroom 1"
+    return f"on, headroom {headroom:g} / TPOT {tpot_headroom:g}"
+
+
 class TandemAdmission(Admission):
     """The coordinator's own queue (`coordinator/flow_control.py`), fed the ledger, the latency model and the load
     reports, its head checked on every request's end and every load report, as `coordinator/flow_gate.py` does."""
 
-    def __init__(self, slos: dict[Tier, TierSlo], headroom: float) -> None:
-        self.queue = FlowQueue(slos, headroom=headroom)
+    def __init__(self, slos: dict[Tier, TierSlo], headroom: float, tpot_headroom: float) -> None:
+        self.queue = FlowQueue(slos, headroom=headroom, tpot_headroom=tpot_headroom)
         self.holds = True
-        self.label = "on, headroom 1" if headroom == 1.0 else f"on, headroom {headroom:g}"
+        self.label = admission_label(headroom, tpot_headroom)
         self._waiting: dict[Entry, tuple[float, TrafficClass]] = {}
 
     def pending(self) -> int:
@@ -236,7 +245,9 @@ class OverloadFleet:
         self.latency = LatencyBook(budget=cfg.engine.max_num_batched_tokens)
         self.policy = create_policy("least_load", None)
         if admission is None:
-            admission = TandemAdmission(cfg.slos, cfg.headroom) if cfg.admission else Admission()
+            admission = (
+                TandemAdmission(cfg.slos, cfg.headroom, cfg.tpot_headroom) if cfg.admission else Admission()
+            )
         self.result = OverloadResult({c.tier: TierResult() for c in TRAFFIC}, 0.0)
         self._heap: list = []
         self._seq = 0
@@ -412,7 +423,11 @@ def admissions(cfg: OverloadConfig, peers: bool) -> list:
     as it ships, and (with `peers`) the peers' admission (`bench.fleet.peer_admission`) with their defaults."""
     from bench.fleet.peer_admission import peer_variants
 
-    own = [Admission(), TandemAdmission(cfg.slos, 1.0), TandemAdmission(cfg.slos, DEFAULT_HEADROOM)]
+    own = [
+        Admission(),
+        TandemAdmission(cfg.slos, 1.0, 1.0),
+        TandemAdmission(cfg.slos, DEFAULT_HEADROOM, DEFAULT_TPOT_HEADROOM),
+    ]
     return own + [make() for make in (peer_variants() if peers else [])]
 
 
@@ -471,7 +486,7 @@ def cmd_overload(args, progress) -> tuple[str, list]:
 
 
 #: The row of Tandem's admission as it ships.
-SHIPPED = f"on, headroom {DEFAULT_HEADROOM:g}"
+SHIPPED = admission_label(DEFAULT_HEADROOM, DEFAULT_TPOT_HEADROOM)
 #: Tandem's own rows (the rest are the peers').
 OWN_LABELS = ("off", "on, headroom 1", SHIPPED)
 

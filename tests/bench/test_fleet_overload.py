@@ -45,7 +45,9 @@ def test_a_burst_is_held_and_priority_goes_first():
     assert p50 < p50_off
     assert on.tiers[Tier.PRIORITY].met > off.tiers[Tier.PRIORITY].met
     # Headroom (as it ships) against none: lower tiers stop before priority's SLO is full.
-    full = OverloadFleet(OverloadConfig(**{**base.__dict__, "headroom": 1.0})).run(arrivals(rate, base))
+    full = OverloadFleet(OverloadConfig(**{**base.__dict__, "headroom": 1.0, "tpot_headroom": 1.0})).run(
+        arrivals(rate, base)
+    )
     assert on.tiers[Tier.PRIORITY].met > full.tiers[Tier.PRIORITY].met
 
 
@@ -55,7 +57,7 @@ def test_the_command_writes_one_row_per_burst_admission_and_tier():
 
     text, rows = cmd_overload(Args, lambda n: None)
     assert len(rows) == 2 * (3 + len(peer_variants()))
-    assert "| 3x | on, headroom 0.5 | flex |" in text and "| 3x | on, headroom 1 |" in text
+    assert "| 3x | on, headroom 0.5 / TPOT 0.9 | flex |" in text and "| 3x | on, headroom 1 |" in text
     assert "| 3x | llm-d flow control | priority |" in text and "| 3x | Dynamo (as shipped) | flex |" in text
 
 
