@@ -82,9 +82,7 @@ class Sent:
     tenant: str
     status: int  # 0: no answer
     ttft_s: float | None = None  # to the first token, for answers that completed
-    status_s: float | None = (
-        None  # to the reply's status line (for a 429: how long its client waited to learn it)
-    )
+    status_s: float | None = None  # to the status line (a 429: how long its client waited to learn it)
     complete: bool = False  # a 200 whose stream ended with [DONE]
     retry_after: str | None = None
     ratelimit_headers: bool = False

@@ -66,9 +66,7 @@ class TierSlo:
     max_queued: int  # requests of the tier waiting at once (0: never wait, refuse at once)
     queue_ttl_s: float  # longest a request of the tier waits
     admit_on_expiry: bool = False  # past the TTL: sent to an engine anyway (else refused)
-    refuse_late: bool = (
-        True  # refused at arrival when its predicted wait exceeds its TTFT SLO (no admit_on_expiry)
-    )
+    refuse_late: bool = True  # refused at arrival when it would start past its TTFT SLO (no admit_on_expiry)
 
 
 #: Defaults (docs/scheduling.md): interactive `priority` wants its first token within a second, `default` within
@@ -278,9 +276,8 @@ class FlowQueue:
     def offer(self, entry: Entry, fits: bool, now: float) -> Decision:
         """A new request: admitted at once when `fits` (some candidate meets its tier's threshold) and nothing at
         its tier or above waits; else refused when its predicted wait and threshold exceed its tier's TTFT SLO
-        (`refuse_late`);
-        else held (its deadline set), displacing a lower tier's newest entry when the whole queue is full; else
-        refused."""
+        (`refuse_late`); else held (its deadline set), displacing a lower tier's newest entry when the whole queue
+        is full; else refused."""
         key = (entry.tier.value, entry.tenant)
         if fits and self.waiting_ahead(entry.tier) == 0:
             self.counters.add(self.counters.admitted, key)

@@ -85,9 +85,7 @@ class OverloadConfig:
 class TierResult:
     sent: int = 0
     refused: int = 0
-    refused_after_s: list[float] = field(
-        default_factory=list
-    )  # each refused request's arrival to its refusal
+    refused_after_s: list[float] = field(default_factory=list)  # each refusal's time since its arrival
     met: int = 0
     ttft_s: list[float] = field(default_factory=list)
     arrived_s: list[float] = field(default_factory=list)  # each answered request's arrival, as `ttft_s`
