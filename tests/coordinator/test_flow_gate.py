@@ -1,5 +1,5 @@
 """SLO-aware admission through the decision path: held decisions released as capacity frees, priority first,
-429 `rejected: saturated` with retry-after past the bound or the TTL, a client that leaves costs nothing, and
+429 `rejected: saturated` with retry-after past the bound or the TTL or at once when late, a client that leaves costs nothing, and
 every gauge back to zero."""
 
 from __future__ import annotations
@@ -157,3 +157,37 @@ async def test_priority_displaces_waiting_flex_when_the_queue_is_full():
     for (reply,) in rest:
         decider.tickets.end(decision_metadata(reply)["ticket"], "completed", response_bytes=10)
     assert decider.picker.ledger.total_requests == 0 and len(gate.queues["m"]) == 0
+
+
+async def test_a_flex_request_that_would_start_past_its_slo_gets_429_at_arrival():
+    now = [0.0]
+    settings = tight(flex_queued=8)
+    settings.flex.ttft_slo_s = 0.5
+    decider = gated(settings)
+    gate = decider.flow = FlowGate(settings, decider.picker, clock=lambda: now[0])
+    decider.tickets.on_any_release = gate.kick
+    tickets = [decision_metadata(r)["ticket"] for (r,) in [await send(decider, "k-batch") for _ in range(2)]]
+    flex = [send(decider, "k-batch") for _ in range(3)]
+    await eventually(lambda: gate.queues["m"].depth(Tier.FLEX) == 3, 5)
+    for i in range(2):  # two releases a second apart: one request's tokens a second
+        now[0] += 1.0
+        decider.tickets.end(tickets[i], "completed", response_bytes=10)
+        (reply,) = await asyncio.wait_for(flex[i], 5)
+        tickets.append(decision_metadata(reply)["ticket"])
+    assert gate.queues["m"].wait_s(Tier.FLEX) == 1.0  # the one still waiting, past flex's 0.5 s
+    before = shed("flex", "batch", "late")
+    (refused,) = await asyncio.wait_for(send(decider, "k-batch"), 5)
+    assert refused.immediate_response.status.code == 429
+    assert json.loads(refused.immediate_response.body)["error"]["message"] == "rejected: saturated"
+    sent = {h.header.key: h.header.raw_value.decode() for h in refused.immediate_response.headers.set_headers}
+    assert sent["retry-after"] == "2"  # the one waiting and its own tokens, at the drain rate
+    assert shed("flex", "batch", "late") == before + 1 and gate.queues["m"].depth(Tier.FLEX) == 1
+    admin = AdminService(decider.picker, decider.counters, None, None, decider)
+    stats = {(q.tier, q.tenant): q for q in (await admin.GetStats(admin_pb2.GetStatsRequest(), None)).queues}
+    assert stats[("flex", "batch")].shed_late == 1
+    decider.tickets.end(tickets[2], "completed", response_bytes=10)
+    (reply,) = await asyncio.wait_for(flex[2], 5)
+    for ticket in [*tickets[3:], decision_metadata(reply)["ticket"]]:
+        decider.tickets.end(ticket, "completed", response_bytes=10)
+    assert decider.picker.ledger.total_requests == 0 and len(gate.queues["m"]) == 0 and depth("flex") == 0
+    assert decider.quotas.in_flight("batch") == 0
