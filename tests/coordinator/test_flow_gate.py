@@ -1,6 +1,6 @@
 """SLO-aware admission through the decision path: held decisions released as capacity frees, priority first,
-429 `rejected: saturated` with retry-after past the bound or the TTL or at once when late, a client that leaves costs nothing, and
-every gauge back to zero."""
+429 `rejected: saturated` with retry-after past the bound or the TTL (or at once when late), a client that leaves
+costs nothing, and every gauge back to zero."""
 
 from __future__ import annotations
 
