@@ -185,12 +185,14 @@ class Decider:
             None  # after a start: wait for registrations rather than answer 503
         )
 
-    async def _decide(self, api: str, raw_body: bytes, request_id: str, request) -> Pick:
-        """The picker's decision; in the relearn window after a start, a 503 (no routable instance yet) waits for
-        the next registration and is decided again."""
+    async def _decide(
+        self, api: str, raw_body: bytes, request_id: str, request, allowed: frozenset[str] | None = None
+    ) -> Pick:
+        """The picker's decision (among `allowed`, see `EndpointPicker.decide`); in the relearn window after a
+        start, a 503 (no routable instance yet) waits for the next registration and is decided again."""
         while True:
             try:
-                return await self.picker.decide(api, raw_body, request_id, request)
+                return await self.picker.decide(api, raw_body, request_id, request, allowed)
             except OpenAIError as exc:
                 relearn = self.relearn
                 if exc.status != 503 or relearn is None or not await relearn.wait_for_registration():
@@ -306,7 +308,7 @@ class Decider:
                 if self.flow is not None:  # may wait for capacity, or refuse (429 `rejected: saturated`)
                     passed = await self.flow.admit(request, tier, tenant.name if tenant is not None else "")
                 with tracing.span("tandem.pick") as current:
-                    pick = await self._decide(api, raw_body, request_id, request)
+                    pick = await self._decide(api, raw_body, request_id, request, passed.allowed)
                     tracing.set_attributes(
                         current,
                         {

@@ -12,7 +12,9 @@ work never pushes the fleet past what `priority` requests need, and stops while 
 free, so a `priority` request arriving during a burst finds room at once instead of waiting behind lower tiers' work
 admitted just before it; and while a tenth of their TPOT is, so the prompts of lower tiers' requests admitted last
 do not slow the decoding `priority` requests past theirs. A tier's own, looser SLO only says how long its requests
-may be expected to take. Otherwise the request waits in its tier's queue.
+may be expected to take. Otherwise the request waits in its tier's queue. Admitted, it goes to one of the
+candidates that meet its threshold (`meeting`; the routing policy chooses among them): on a mixed fleet a slower
+engine that would miss it is left to the tiers whose SLOs it still meets.
 
 **Order.** Strict priority across tiers (`priority`, then `default`, then `flex`); within a tier, deficit round
 robin across tenants on tokens (prompt plus `max_tokens`, the quota's estimate): each turn, a tenant with waiting
@@ -139,10 +141,15 @@ def predict(view: EngineView, prompt_tokens: int, budget: int) -> tuple[float, f
     return ttft, tpot_s(view.costs, decoding, view.mean_context, prompt_tokens) / (1.0 - duty)
 
 
+def meeting(predictions: list[tuple[float, float]], threshold: tuple[float, float]) -> list[int]:
+    """The indices of the candidates whose predicted (TTFT, TPOT) meets `threshold`."""
+    ttft, tpot = threshold
+    return [i for i, (p_ttft, p_tpot) in enumerate(predictions) if p_ttft <= ttft and p_tpot <= tpot]
+
+
 def meets(predictions: list[tuple[float, float]], threshold: tuple[float, float]) -> bool:
     """Whether some candidate's predicted (TTFT, TPOT) meets `threshold`."""
-    ttft, tpot = threshold
-    return any(p_ttft <= ttft and p_tpot <= tpot for p_ttft, p_tpot in predictions)
+    return bool(meeting(predictions, threshold))
 
 
 class Verdict(StrEnum):

@@ -37,7 +37,7 @@ from coordinator.flow_control import (
     Entry,
     FlowQueue,
     Verdict,
-    meets,
+    meeting,
     predict,
 )
 from coordinator.instances import InstanceState
@@ -66,12 +66,16 @@ class _Waiter:
 
 class Pass:
     """A request the gate let through; `done()` once its workload is committed (or it failed): the next head of
-    its model's queue is then checked against the load it added."""
+    its model's queue is then checked against the load it added. `allowed`: the instances predicted to meet its
+    tier's threshold, where it should go (None: any)."""
 
-    __slots__ = ("_gate", "_model", "_held")
+    __slots__ = ("_gate", "_model", "_held", "allowed")
 
-    def __init__(self, gate: FlowGate | None, model: str, held: bool) -> None:
+    def __init__(
+        self, gate: FlowGate | None, model: str, held: bool, allowed: frozenset[str] | None = None
+    ) -> None:
         self._gate, self._model, self._held = gate, model, held
+        self.allowed = allowed
 
     def done(self) -> None:
         gate, self._gate = self._gate, None
@@ -116,9 +120,11 @@ class FlowGate:
 
     # --- capacity --------------------------------------------------------------------------------------------
 
-    def predictions(self, request: OpenAIRequest) -> list[tuple[float, float]] | None:
-        """Per candidate of `request`'s model, its predicted (TTFT, TPOT) (`flow_control.predict`); None when one
-        has nothing in flight (it fits whatever the SLO) or none is routable (the picker answers 503)."""
+    def meeting(self, request: OpenAIRequest, tier: Tier, queue: FlowQueue) -> frozenset[str] | None:
+        """The candidates of `request`'s model predicted (`flow_control.predict`) to meet `tier`'s threshold;
+        None when the request fits anywhere: a candidate has nothing in flight (it fits whatever the SLO), none
+        is routable (the picker answers 503), or P/D serving meets it (its prediction is the pools', the best
+        prefill instance's TTFT and the best decode instance's TPOT, and the P/D policies choose)."""
         picker = self.picker
         try:
             mode = picker.mode_of(request.model)
@@ -132,15 +138,16 @@ class FlowGate:
             first = [s for s in serving if s.info.role == "prefill"] or last
         if not first or not last:
             return None
-        isl, budget = request.prompt_tokens, picker.latency.budget
+        isl, budget, threshold = request.prompt_tokens, picker.latency.budget, queue.threshold(tier)
         first_views = [self._view(s) for s in first]
         if first is last:
             if any(v.idle for v in first_views):
                 return None
-            return [predict(v, isl, budget) for v in first_views]
+            met = meeting([predict(v, isl, budget) for v in first_views], threshold)
+            return frozenset(first[i].info.instance_id for i in met)
         ttft = min(predict(v, isl, budget)[0] for v in first_views)
         tpot = min(predict(self._view(s), isl, budget)[1] for s in last)
-        return [(ttft, tpot)]
+        return None if meeting([(ttft, tpot)], threshold) else frozenset()
 
     def _view(self, state: InstanceState) -> EngineView:
         ledger, iid = self.picker.ledger, state.info.instance_id
@@ -156,10 +163,6 @@ class FlowGate:
             self.picker.latency.prefill_rate(iid),
         )
 
-    def fits(self, request: OpenAIRequest, tier: Tier, queue: FlowQueue) -> bool:
-        predictions = self.predictions(request)
-        return predictions is None or meets(predictions, queue.threshold(tier))
-
     # --- admission -------------------------------------------------------------------------------------------
 
     async def admit(self, request: OpenAIRequest, tier: Tier, tenant: str) -> Pass:
@@ -169,12 +172,12 @@ class FlowGate:
         queue = self._queue(model)
         now = self.clock()
         entry = Entry(None, tier, tenant, request.prompt_tokens + request.max_tokens, now)
-        fits = self._releasing.get(model, 0) == 0 and self.fits(request, tier, queue)
-        decision = queue.offer(entry, fits, now)
+        met = self.meeting(request, tier, queue) if not self._releasing.get(model, 0) else frozenset()
+        decision = queue.offer(entry, met is None or bool(met), now)
         if decision.displaced is not None:
             self._refuse(decision.displaced, queue)
         if decision.verdict == Verdict.ADMIT:
-            return OPEN
+            return OPEN if met is None else Pass(None, model, False, met)
         if decision.verdict == Verdict.REJECT:
             self._shed(entry, decision.reason)
             raise saturated(decision)
@@ -187,7 +190,8 @@ class FlowGate:
                 async with asyncio.timeout(entry.deadline - now):
                     await future
             except TimeoutError:
-                if entry.queued:
+                # Not released (the timeout cancelled the future; a `kick` meanwhile may have taken the entry out).
+                if not future.done() or future.cancelled():
                     expired = queue.expire(entry)
                     self._observe_wait(entry)
                     if expired.verdict == Verdict.ADMIT:
@@ -198,7 +202,8 @@ class FlowGate:
                     self._shed(entry, EXPIRED)
                     raise saturated(expired) from None
                 # released as the timer fired: it goes on
-            passed = Pass(self, model, True)  # released (a displaced entry's future raised its 429 above)
+            # Released (a displaced entry's future raised its 429 above), to the instances that met it then.
+            passed = Pass(self, model, True, future.result())
             return passed
         finally:
             self._waiters.pop(entry, None)
@@ -221,11 +226,12 @@ class FlowGate:
                 if waiter is None or waiter.future.done():  # leaving already
                     queue.remove(head)
                     continue
-                if self.fits(waiter.request, head.tier, queue):
+                met = self.meeting(waiter.request, head.tier, queue)
+                if met is None or met:
                     queue.release(head, now)
                     self._observe_wait(head)
                     self._releasing[model] = self._releasing.get(model, 0) + 1
-                    waiter.future.set_result(None)
+                    waiter.future.set_result(met)
                 break
         self._publish()
 

@@ -326,10 +326,17 @@ class EndpointPicker:
         return self.ledger.commit(state.info.instance_id, prefill, decode, context, counted)
 
     async def decide(
-        self, api: str, raw_body: bytes, request_id: str, request: OpenAIRequest | None = None
+        self,
+        api: str,
+        raw_body: bytes,
+        request_id: str,
+        request: OpenAIRequest | None = None,
+        allowed: frozenset[str] | None = None,
     ) -> Pick:
         """Chooses where the request goes and commits its workload; raises OpenAIError (400/404/503).
-        `request` is the body already understood (off the event loop, for large bodies)."""
+        `request` is the body already understood (off the event loop, for large bodies); `allowed`: the
+        aggregated instances the admission queue predicts meet the request's SLO (the policy chooses among those
+        still routable, or among all when none is)."""
         request = request or self.understand(api, raw_body)
         model, isl, out = request.model, request.prompt_tokens, request.max_tokens
         mode = self.mode_of(model)
@@ -341,7 +348,8 @@ class EndpointPicker:
                     503, f"No healthy instance serves {_named(request)} right now; retry later."
                 )
             policy = self.policy
-            chosen, hashes = await self._choose(policy, request_id, request, states, "aggregated")
+            pool = [s for s in states if s.info.instance_id in allowed] if allowed else states
+            chosen, hashes = await self._choose(policy, request_id, request, pool or states, "aggregated")
             matched = min(chosen.match.matched_tokens, isl)
             leg = Leg(
                 chosen.state,

@@ -9,7 +9,7 @@ time, in-process, so a whole trace replays against 8 to 512 instances in minutes
     python -m bench.fleet pd      [--workloads ...] [--sizes 8] [--nodes 2] [--loads 0.6 0.9] [--seeds 0]
                                   [--prefill N] [--mode handoff|trigger]   # P/D rules, each at its best P:D split
     python -m bench.fleet pd --trace FILE --requests N --rate R --instances N --npu-blocks B --nodes N
-    python -m bench.fleet overload [--instances 4] [--bursts 1.5 3] [--steady 0.8] [--no-peers]   # admission
+    python -m bench.fleet overload [--instances 4] [--bursts 1.5 3] [--steady 0.8] [--mixed] [--no-peers]  # admission
     python -m bench.fleet lora    [--adapters 50 500] [--sizes 8 32] [--max-loras 4] [--load-s 0.25]   # LoRA routing
     python -m bench.fleet routing [--full] [--workloads ...] [--sizes 4] [--cache-sizes 2048 4096 8192 16384]
                                   [--loads 0.6 0.9 1.2] [--seeds 0]
@@ -604,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--burst-s", type=float, default=30.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument(
+        "--mixed", action="store_true", help="half the instances at half speed (fleet-overload-mixed.md)"
+    )
+    s.add_argument(
         "--peers",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -654,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        suffix = f"-{args.signal}" if args.signal else ""
+        suffix = f"-{args.signal}" if args.signal else "-mixed" if getattr(args, "mixed", False) else ""
         (out / f"fleet-{args.cmd}{suffix}.md").write_text(text + "\n")
         if args.cmd == "scale":
             plot_scale(rows, out / "fleet-scale.png")

@@ -4,7 +4,7 @@ on simulated engines (simengine's scheduler and 910B timing, scheduling by vLLM'
 without the coordinator's admission queue.
 
 The queue is the coordinator's own pure core (`coordinator/flow_control.py`: `FlowQueue`, `EngineView`,
-`predict`, `meets`), fed what the coordinator has: the workload ledger following the engines' progress counters,
+`predict`, `meeting`), fed what the coordinator has: the workload ledger following the engines' progress counters,
 the latency model learning their step costs, and their load reports every `load_interval_s`. Heads are checked
 on every request's end and every load report, as the shell (`coordinator/flow_gate.py`) does. A refused request
 is counted as a 429 and not retried. The admission is a pluggable `Admission`: none ("off"), Tandem's queue
@@ -34,7 +34,7 @@ from coordinator.flow_control import (
     FlowQueue,
     TierSlo,
     Verdict,
-    meets,
+    meeting,
     predict,
 )
 from coordinator.latency import LatencyBook
@@ -79,6 +79,9 @@ class OverloadConfig:
     tpot_headroom: float = DEFAULT_TPOT_HEADROOM  # `coordinator.flow_control.tpot_headroom`
     load_interval_s: float = 0.25
     seed: int = 0
+    #: Relative speed of each instance by index (a mixed fleet: 0.5 takes twice as long for every step); instances
+    #: past the tuple's end run at 1.
+    speeds: tuple[float, ...] = ()
 
 
 @dataclass
@@ -182,23 +185,26 @@ class TandemAdmission(Admission):
     def pending(self) -> int:
         return len(self._waiting)
 
-    def _fits(self, c: TrafficClass) -> bool:
+    def _meeting(self, c: TrafficClass) -> set[int] | None:
+        """The instances predicted to meet `c`'s tier's threshold (None: any, one is idle), as
+        `FlowGate.meeting`."""
         fleet = self.fleet
         views = fleet.views()
         if any(v.idle for v in views):
-            return True
+            return None
         budget = fleet.cfg.engine.max_num_batched_tokens
-        return meets([predict(v, c.prompt, budget) for v in views], self.queue.threshold(c.tier))
+        return set(meeting([predict(v, c.prompt, budget) for v in views], self.queue.threshold(c.tier)))
 
     def offer(self, arrived: float, c: TrafficClass) -> None:
         fleet, q = self.fleet, self.queue
         entry = Entry(None, c.tier, c.tenant, c.prompt + c.output, fleet.now)
-        decision = q.offer(entry, self._fits(c), fleet.now)
+        met = self._meeting(c)
+        decision = q.offer(entry, met is None or bool(met), fleet.now)
         if decision.displaced is not None:
             displaced_at, displaced = self._waiting.pop(decision.displaced)
             fleet.refuse(displaced, displaced_at)
         if decision.verdict == Verdict.ADMIT:
-            fleet.dispatch(arrived, c)
+            fleet.dispatch(arrived, c, met)
         elif decision.verdict == Verdict.REJECT:
             fleet.refuse(c, arrived)
         else:
@@ -219,11 +225,12 @@ class TandemAdmission(Admission):
         q = self.queue
         while (head := q.head()) is not None:
             arrived, c = self._waiting[head]
-            if not self._fits(c):
+            met = self._meeting(c)
+            if not (met is None or met):
                 return
             q.release(head, self.fleet.now)
             del self._waiting[head]
-            self.fleet.dispatch(arrived, c)
+            self.fleet.dispatch(arrived, c, met)
 
     on_report = _kick
     on_ends = _kick
@@ -237,6 +244,8 @@ class OverloadFleet:
         self.instances = [
             SimInstance(f"sim-{i}", MODEL, cfg.engine, sampler, None) for i in range(cfg.instances)
         ]
+        for inst, speed in zip(self.instances, cfg.speeds, strict=False):
+            inst.speed = speed
         for inst in self.instances:
             inst.scheduler.priority = True  # --scheduling-policy priority (coordinator.engine_priority)
         self.ledger = WorkloadLedger(lambda: self.now)
@@ -439,6 +448,11 @@ def run_one(job: tuple[OverloadConfig, int, bool, float]) -> tuple[str, bool, Ov
     return admission.label, admission.holds, result
 
 
+def mixed_speeds(instances: int) -> tuple[float, ...]:
+    """A mixed fleet: the second half of the instances at half speed (a slower accelerator next to a faster one)."""
+    return (1.0,) * (instances - instances // 2) + (0.5,) * (instances // 2)
+
+
 def cmd_overload(args, progress) -> tuple[str, list]:
     base = OverloadConfig(
         instances=args.instances,
@@ -446,11 +460,15 @@ def cmd_overload(args, progress) -> tuple[str, list]:
         steady_s=args.steady_s,
         burst_s=args.burst_s,
         seed=args.seed,
+        speeds=mixed_speeds(args.instances) if getattr(args, "mixed", False) else (),
     )
     rate = capacity(base)
     progress(1)
+    fleet = f"{base.instances} simulated 910B engines"
+    if base.speeds:
+        fleet += f" ({base.speeds.count(0.5)} of them at half speed)"
     lines = [
-        f"Overload: {base.instances} simulated 910B engines (simengine, priority scheduling), "
+        f"Overload: {fleet} (simengine, priority scheduling), "
         f"{TRAFFIC[0].share:.0%} priority chat ({TRAFFIC[0].prompt} in / {TRAFFIC[0].output} out) and "
         f"{TRAFFIC[1].share:.0%} flex batch ({TRAFFIC[1].prompt} in / {TRAFFIC[1].output} out); capacity "
         f"{rate:.1f} requests/s (a saturated backlog's throughput); {base.steady:.0%} of it for {base.steady_s:g} s, "

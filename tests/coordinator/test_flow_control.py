@@ -14,6 +14,7 @@ from coordinator.flow_control import (
     FlowQueue,
     TierSlo,
     Verdict,
+    meeting,
     meets,
     predict,
     thresholds,
@@ -52,6 +53,10 @@ def test_thresholds_are_the_tightest_of_the_tier_and_those_above():
     assert meets([(3.0, 0.01), (0.5, 0.04)], t[F])
     assert not meets([(3.0, 0.01), (0.5, 0.06)], t[F])
     assert not meets([], t[F])
+    assert meeting([(3.0, 0.01), (0.5, 0.04), (0.9, 0.01)], t[F]) == [
+        1,
+        2,
+    ]  # where an admitted request may go
 
 
 def test_headroom_keeps_part_of_the_higher_tiers_slos_free_of_lower_tiers_work():

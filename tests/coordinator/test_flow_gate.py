@@ -191,3 +191,21 @@ async def test_a_flex_request_that_would_start_past_its_slo_gets_429_at_arrival(
         decider.tickets.end(ticket, "completed", response_bytes=10)
     assert decider.picker.ledger.total_requests == 0 and len(gate.queues["m"]) == 0 and depth("flex") == 0
     assert decider.quotas.in_flight("batch") == 0
+
+
+async def test_an_admitted_request_goes_to_an_engine_predicted_to_meet_its_slo():
+    """i0 has fewer tokens committed (least_load's pick) but 20k prompt tokens queued, about 2 s to a first token;
+    i1 more, almost all of them decode, a first token in milliseconds. Flex stops at half of priority's 1 s."""
+    for flow, destination in ((True, "127.0.0.1:8101"), (False, "127.0.0.1:8100")):
+        decider = gated(FlowControlSettings(enabled=True)) if flow else decider_with([GOLD, BATCH])
+        ledger = decider.picker.ledger
+        load = [
+            ledger.commit("i0", 20_000, 10, 20_010, 20_000),
+            ledger.commit("i1", 100, 50_000, 50_100, 100),
+        ]
+        (reply,) = await asyncio.wait_for(send(decider, "k-batch"), 5)
+        assert decision_metadata(reply)["destination"] == destination  # without flow control: i0
+        decider.tickets.end(decision_metadata(reply)["ticket"], "completed", response_bytes=10)
+        for commitment in load:
+            ledger.release(commitment)
+        assert ledger.total_requests == 0

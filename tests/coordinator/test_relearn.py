@@ -21,7 +21,7 @@ class Picker:
         self.ready = False
         self.calls = 0
 
-    async def decide(self, api, raw_body, request_id, request):
+    async def decide(self, api, raw_body, request_id, request, allowed=None):
         self.calls += 1
         if not self.ready:
             raise OpenAIError(503, "No healthy instance serves the model `m` right now; retry later.")
