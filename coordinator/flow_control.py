@@ -7,10 +7,10 @@ coordinator, or is refused, and in which order waiting requests go.
 is admitted at once when some candidate engine's predicted TTFT and TPOT (`coordinator/latency.py`) meet its
 tier's *threshold* and nothing of its tier or above is already waiting (no overtaking). The threshold of a tier is
 the tightest SLO of that tier and every tier above it (`thresholds`), those of the tiers above scaled by the
-*headroom* (`DEFAULT_HEADROOM`, 0.5, of their TTFT; `DEFAULT_TPOT_HEADROOM`, 0.9, of their TPOT): admitting `flex`
+*headroom* (`DEFAULT_HEADROOM`, 0.5, of their TTFT; `DEFAULT_TPOT_HEADROOM`, 0.8, of their TPOT): admitting `flex`
 work never pushes the fleet past what `priority` requests need, and stops while half of their TTFT SLO is still
 free, so a `priority` request arriving during a burst finds room at once instead of waiting behind lower tiers' work
-admitted just before it; and while a tenth of their TPOT is, so the prompts of lower tiers' requests admitted last
+admitted just before it; and while a fifth of their TPOT is, so the prompts of lower tiers' requests admitted last
 do not slow the decoding `priority` requests past theirs. A tier's own, looser SLO only says how long its requests
 may be expected to take. Otherwise the request waits in its tier's queue. Admitted, it goes to one of the
 candidates that meet its threshold (`meeting`; the routing policy chooses among them): on a mixed fleet a slower
@@ -83,7 +83,7 @@ DEFAULT_SLOS: dict[Tier, TierSlo] = {
 #: The share of a higher tier's TTFT and TPOT SLOs a lower tier's admissions may fill (measured in
 #: docs/scheduling.md).
 DEFAULT_HEADROOM = 0.5
-DEFAULT_TPOT_HEADROOM = 0.9
+DEFAULT_TPOT_HEADROOM = 0.8
 
 
 def thresholds(

@@ -57,7 +57,7 @@ def test_the_command_writes_one_row_per_burst_admission_and_tier():
 
     text, rows = cmd_overload(Args, lambda n: None)
     assert len(rows) == 2 * (3 + len(peer_variants()))
-    assert "| 3x | on, headroom 0.5 / TPOT 0.9 | flex |" in text and "| 3x | on, headroom 1 |" in text
+    assert "| 3x | on, headroom 0.5 / TPOT 0.8 | flex |" in text and "| 3x | on, headroom 1 |" in text
     assert "| 3x | llm-d flow control | priority |" in text and "| 3x | Dynamo (as shipped) | flex |" in text
 
 

@@ -60,11 +60,11 @@ def test_thresholds_are_the_tightest_of_the_tier_and_those_above():
 
 
 def test_headroom_keeps_part_of_the_higher_tiers_slos_free_of_lower_tiers_work():
-    t = thresholds(slos(), headroom=0.5, tpot_headroom=0.9)
+    t = thresholds(slos(), headroom=0.5, tpot_headroom=0.8)
     assert t[P] == (1.0, 0.1)  # the top tier may use all of its SLO
     assert t[D][0] == 0.5 and t[F][0] == 0.5  # the others stop at half of priority's TTFT
-    assert t[D][1] == 0.05  # its own TPOT is tighter than 0.9 of priority's
-    assert t[F][1] == pytest.approx(0.045)  # 0.9 of default's, the tightest above it
+    assert t[D][1] == 0.05  # its own TPOT is tighter than 0.8 of priority's
+    assert t[F][1] == pytest.approx(0.04)  # 0.8 of default's, the tightest above it
     assert FlowQueue(slos()).thresholds == t  # the defaults (DEFAULT_HEADROOM, DEFAULT_TPOT_HEADROOM)
     assert FlowQueue(slos(), headroom=1.0, tpot_headroom=1.0).threshold(F) == (1.0, 0.05)
 
