@@ -133,6 +133,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "fleet-overload.md",
     ),
     (
+        "overload_mixed",
+        "Past saturation on a mixed fleet: the same bursts with half the instances at half speed",
+        ["bench.fleet", "overload", "--bursts", "1.5", "3", "--mixed", "--output-dir", "{out}"],
+        "fleet-overload-mixed.md",
+    ),
+    (
         "lora",
         "LoRA adapters in the fleet simulator: Zipf popularity over 50 and 500 adapters, slots and cold loads "
         "(8 instances; `--sizes 8 32` for 32 too)",
@@ -178,7 +184,8 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
 #: to wait for the load it leaves.
 RUN_ORDER = [
     "overhead", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
-    "simengine", "conductor", "kv_relay", "replicas", "profile", "signal", "routing", "fleet_pd", "overload", "lora",
+    "simengine", "conductor", "kv_relay", "replicas", "profile", "signal", "routing", "fleet_pd", "overload",
+    "overload_mixed", "lora",
     "scale", "chaos",
 ]  # fmt: skip
 

@@ -116,10 +116,15 @@ table below finds at every split.""",
 coordinator's own admission core, ledger and latency model in virtual time; docs/scheduling.md, "SLO-aware
 admission", explains every row): four simulated 910B engines with vLLM's priority scheduling, half priority chat
 and half flex batch traffic, 80% of capacity for 60 s, a burst at 1.5x or 3x for 30 s, 80% again; routing is
-`least_load` in every row, so rows differ in admission only: none, Tandem's without and with its headroom (as it
-ships), and the peers' admission reproduced from their sources. The plot shows each answered request's TTFT
+`least_load` in every row, among the engines the admission lets the request go to (Tandem's: those predicted to
+meet its tier's SLO; Dynamo's: those not busy), so rows differ in admission only: none, Tandem's without and with
+its headroom (as it ships), and the peers' admission reproduced from their sources. The plot shows each answered request's TTFT
 against its arrival during the 3x burst. Issue 22's goal: priority keeps >= 99% SLO attainment during the bursts
 while goodput over both tiers is >= 1.3x every peer row's; goodput is per tier in the table.""",
+    "overload_mixed": """The same scenario on a mixed fleet: two of the four engines at half speed (every step
+takes twice as long), capacity measured on that fleet. Tandem's latency model learns each engine's step costs, so
+its admission sends each request only where it is predicted to meet its tier's SLO; the peers' rows decide as
+their sources do.""",
     "lora": """Issue 26's LoRA routing in the fleet simulator (`bench/fleet/lora.py`): each request names an
 adapter (Zipf popularity, s = 1, over 50 or 500 adapters; "shifting" re-ranks the adapters at random twice during
 the run), every engine holds `max_loras` adapters (LRU among idle ones; a request waits while every slot holds an
