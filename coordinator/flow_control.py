@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -147,9 +148,20 @@ def meeting(predictions: list[tuple[float, float]], threshold: tuple[float, floa
     return [i for i, (p_ttft, p_tpot) in enumerate(predictions) if p_ttft <= ttft and p_tpot <= tpot]
 
 
-def meets(predictions: list[tuple[float, float]], threshold: tuple[float, float]) -> bool:
-    """Whether some candidate's predicted (TTFT, TPOT) meets `threshold`."""
-    return bool(meeting(predictions, threshold))
+def engines_meeting(
+    views: list[EngineView], prompt_tokens: int, budget: int, threshold: tuple[float, float]
+) -> list[int] | None:
+    """The indices of the engines predicted (`predict`) to meet `threshold` for a prompt of `prompt_tokens`; None
+    when one has nothing in flight: it fits whatever the SLO (holding a request cannot make an idle engine
+    faster), and any engine may take the request."""
+    if any(v.idle for v in views):
+        return None
+    return meeting([predict(v, prompt_tokens, budget) for v in views], threshold)
+
+
+def fits(met: Collection[object] | None) -> bool:
+    """Whether a request may go now, given where it may go (`engines_meeting`, None: anywhere)."""
+    return met is None or bool(met)
 
 
 class Verdict(StrEnum):

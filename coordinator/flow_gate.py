@@ -37,6 +37,8 @@ from coordinator.flow_control import (
     Entry,
     FlowQueue,
     Verdict,
+    engines_meeting,
+    fits,
     meeting,
     predict,
 )
@@ -141,10 +143,8 @@ class FlowGate:
         isl, budget, threshold = request.prompt_tokens, picker.latency.budget, queue.threshold(tier)
         first_views = [self._view(s) for s in first]
         if first is last:
-            if any(v.idle for v in first_views):
-                return None
-            met = meeting([predict(v, isl, budget) for v in first_views], threshold)
-            return frozenset(first[i].info.instance_id for i in met)
+            met = engines_meeting(first_views, isl, budget, threshold)
+            return None if met is None else frozenset(first[i].info.instance_id for i in met)
         ttft = min(predict(v, isl, budget)[0] for v in first_views)
         tpot = min(predict(self._view(s), isl, budget)[1] for s in last)
         return None if meeting([(ttft, tpot)], threshold) else frozenset()
@@ -173,7 +173,7 @@ class FlowGate:
         now = self.clock()
         entry = Entry(None, tier, tenant, request.prompt_tokens + request.max_tokens, now)
         met = self.meeting(request, tier, queue) if not self._releasing.get(model, 0) else frozenset()
-        decision = queue.offer(entry, met is None or bool(met), now)
+        decision = queue.offer(entry, fits(met), now)
         if decision.displaced is not None:
             self._refuse(decision.displaced, queue)
         if decision.verdict == Verdict.ADMIT:
@@ -227,7 +227,7 @@ class FlowGate:
                     queue.remove(head)
                     continue
                 met = self.meeting(waiter.request, head.tier, queue)
-                if met is None or met:
+                if fits(met):
                     queue.release(head, now)
                     self._observe_wait(head)
                     self._releasing[model] = self._releasing.get(model, 0) + 1

@@ -4,7 +4,7 @@ on simulated engines (simengine's scheduler and 910B timing, scheduling by vLLM'
 without the coordinator's admission queue.
 
 The queue is the coordinator's own pure core (`coordinator/flow_control.py`: `FlowQueue`, `EngineView`,
-`predict`, `meeting`), fed what the coordinator has: the workload ledger following the engines' progress counters,
+`engines_meeting`), fed what the coordinator has: the workload ledger following the engines' progress counters,
 the latency model learning their step costs, and their load reports every `load_interval_s`. Heads are checked
 on every request's end and every load report, as the shell (`coordinator/flow_gate.py`) does. A refused request
 is counted as a 429 and not retried. The admission is a pluggable `Admission`: none ("off"), Tandem's queue
@@ -34,8 +34,8 @@ from coordinator.flow_control import (
     FlowQueue,
     TierSlo,
     Verdict,
-    meeting,
-    predict,
+    engines_meeting,
+    fits,
 )
 from coordinator.latency import LatencyBook
 from coordinator.picker import candidates
@@ -189,17 +189,15 @@ class TandemAdmission(Admission):
         """The instances predicted to meet `c`'s tier's threshold (None: any, one is idle), as
         `FlowGate.meeting`."""
         fleet = self.fleet
-        views = fleet.views()
-        if any(v.idle for v in views):
-            return None
         budget = fleet.cfg.engine.max_num_batched_tokens
-        return set(meeting([predict(v, c.prompt, budget) for v in views], self.queue.threshold(c.tier)))
+        met = engines_meeting(fleet.views(), c.prompt, budget, self.queue.threshold(c.tier))
+        return None if met is None else set(met)
 
     def offer(self, arrived: float, c: TrafficClass) -> None:
         fleet, q = self.fleet, self.queue
         entry = Entry(None, c.tier, c.tenant, c.prompt + c.output, fleet.now)
         met = self._meeting(c)
-        decision = q.offer(entry, met is None or bool(met), fleet.now)
+        decision = q.offer(entry, fits(met), fleet.now)
         if decision.displaced is not None:
             displaced_at, displaced = self._waiting.pop(decision.displaced)
             fleet.refuse(displaced, displaced_at)
@@ -226,7 +224,7 @@ class TandemAdmission(Admission):
         while (head := q.head()) is not None:
             arrived, c = self._waiting[head]
             met = self._meeting(c)
-            if not (met is None or met):
+            if not fits(met):
                 return
             q.release(head, self.fleet.now)
             del self._waiting[head]
@@ -521,15 +519,16 @@ def goal_lines(rows) -> list[str]:
         if not ours or not peers:
             continue
         best_label = max(peers, key=peers.__getitem__)
-        waits = [w for _, label, _, t, _ in here if label == SHIPPED for w in t.refused_after_s]
+        slowest = max(
+            (w for _, label, _, t, _ in here if label == SHIPPED for w in t.refused_after_s), default=0.0
+        )
         ratio = total[SHIPPED] / peers[best_label]
         met = ours[0].met / ours[0].sent
-        ok = met >= 0.99 and ratio >= 1.3 and max(waits, default=0.0) <= 0.05
+        ok = met >= 0.99 and ratio >= 1.3 and slowest <= 0.05
         out.append(
             f"Goal at {burst:g}x ({'met' if ok else 'missed'}): priority SLO met {met:.1%} (>= 99%); goodput over "
             f"both tiers {total[SHIPPED]:.0f} tok/s, x{ratio:.2f} the best peer row ({best_label}, "
-            f"{peers[best_label]:.0f}; >= x1.3); slowest refusal {max(waits, default=0.0) * 1000:.0f} ms "
-            "(<= 50 ms)."
+            f"{peers[best_label]:.0f}; >= x1.3); slowest refusal {slowest * 1000:.0f} ms (<= 50 ms)."
         )
     return out
 

@@ -15,7 +15,6 @@ from coordinator.flow_control import (
     TierSlo,
     Verdict,
     meeting,
-    meets,
     predict,
     thresholds,
 )
@@ -50,9 +49,9 @@ def test_thresholds_are_the_tightest_of_the_tier_and_those_above():
     assert t[P] == (1.0, 0.1)
     assert t[D] == (1.0, 0.05)  # its own TPOT is tighter than priority's
     assert t[F] == (1.0, 0.05)  # flex never admits past what priority or default need
-    assert meets([(3.0, 0.01), (0.5, 0.04)], t[F])
-    assert not meets([(3.0, 0.01), (0.5, 0.06)], t[F])
-    assert not meets([], t[F])
+    assert meeting([(3.0, 0.01), (0.5, 0.04)], t[F])
+    assert not meeting([(3.0, 0.01), (0.5, 0.06)], t[F])
+    assert not meeting([], t[F])
     assert meeting([(3.0, 0.01), (0.5, 0.04), (0.9, 0.01)], t[F]) == [
         1,
         2,
