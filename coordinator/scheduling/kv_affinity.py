@@ -16,14 +16,16 @@ The load's weight follows the fleet's pressure. With `size` a running mean of re
 (the least any candidate would compute, averaged over recent requests) and `mean_load` the candidates' mean
 `load_tokens`:
 
-    weight = load_weight                                           while mean_load <= pressure_scale * size
-    weight = load_weight * pressure_scale * size / mean_load       beyond (queues longer than that many requests)
+    weight = load_weight * min(1, pressure_scale * size / mean_load)
 
-Past saturation every instance has a queue, and prefill computed again on a second instance is capacity lost
-for every request queued behind it: the longer the queues, the more a cached prefix is worth against a load
-difference, so a prefix stays where it is cached (and is not copied into a second, small cache, evicting someone
-else's blocks) unless the load it would relieve is a growing multiple of the work it saves. While queues are
-short, the weight stays `load_weight`: spreading costs little and helps TTFT.
+At the defaults (both 1) that is `min(1, size / mean_load)`. While the mean queue holds less than one request's
+prompt, a queued token weighs as much as a token to compute: the blend is the request's own TTFT in tokens (the
+work it waits behind plus the work it brings), and a burst spreads where waiting would cost more than recomputing.
+Past that, every instance has a queue of about `q = mean_load / size` requests, and a prefix computed again on a
+second instance is capacity lost for the requests queued behind it there: the copy costs about `q` times the
+prefill it repeats, so the load weighs `1 / q`. A prefix then stays where it is cached (and is not copied into a
+second, small cache, evicting someone else's blocks) unless the load it would relieve is that growing multiple of
+the work it saves.
 
 With `load_gate_topn = N > 0`, only the N least-loaded candidates (by `load_tokens`, ties by instance id) are
 scored, so that a hot prefix cannot pile every request onto one overloaded instance. Remaining ties go to fewer
@@ -32,22 +34,22 @@ in-flight requests, then in turn.
 | parameter | default | meaning |
 |---|---|---|
 | `mode` | `blend` | `blend`, `prefix` or `load` |
-| `load_weight` | 0.5 | weight of the work left on the candidate (a cached token is worth two queued ones) |
+| `load_weight` | 1.0 | weight of the work left on the candidate while queues are short (a queued token costs what a token to compute does) |
 | `decode_load_weight` | 0.25 | weight of a decode token left against a prefill token left, within the load |
 | `overlap_credit` | 1.0 | share of a cached token's prefill that is saved (0..1) |
 | `prefill_load_scale` | 1.0 | weight of this request's prefill cost |
 | `load_gate_topn` | 0 | score only the N least-loaded candidates (0: all) |
 | `w_npu`, `w_cpu`, `w_disk` | 1.0, 1.0, 0.0 | credit per cached block by medium |
-| `pressure_scale` | 2.0 | queued requests per instance (in units of `size`) beyond which the load's weight falls (0: fixed `load_weight`) |
+| `pressure_scale` | 1.0 | queued requests per instance (in units of `size`) beyond which the load's weight falls (0: fixed `load_weight`) |
 | `predicted_cache` | true | count prompts just routed as cached (`coordinator.predicted_cache`) |
 
-The defaults are measured (`docs/scheduling.md`, "Choosing the defaults"): with `load_weight` 1 (a greedy
-per-request TTFT estimate) hot prefixes get replicated near saturation and the hit rate falls; 0.5 held while
-queues are short, and counting a decode token left as a quarter of a prefill token kept sessions with long answers
-from looking busier than they are. Under cache pressure and past saturation, a fixed weight copied hot prefixes
-into every small cache (the hit rate fell by a fifth and mean TTFT doubled against SGLang's router); the pressure
-scaling and the predicted cache (a burst of a new prefix follows its first request instead of spreading while the
-first one is still queued) hold the prefixes in place.
+The defaults are measured (`docs/scheduling.md`, "Choosing the defaults"): a fixed weight (0.5 or 1) copied hot
+prefixes into every small cache past saturation (the hit rate fell by a fifth and mean TTFT doubled against SGLang's
+router); the pressure scaling and the predicted cache (a burst of a new prefix follows its first request instead of
+spreading while the first one is still queued) hold the prefixes in place. Below pressure, the greedy weight 1 beat
+the earlier 0.5 (a cached token worth two queued ones), which sent requests behind a busy holder's queue at light
+load. Counting a decode token left as a quarter of a prefill token keeps sessions with long answers from looking
+busier than they are.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class Params:
     """See the module docstring."""
 
     mode: Literal["blend", "prefix", "load"] = "blend"
-    load_weight: float = 0.5
+    load_weight: float = 1.0
     decode_load_weight: float = 0.25
     overlap_credit: float = 1.0
     prefill_load_scale: float = 1.0
@@ -77,7 +79,7 @@ class Params:
     w_cpu: float = 1.0
     w_disk: float = 0.0
     predicted_cache: bool = True
-    pressure_scale: float = 2.0
+    pressure_scale: float = 1.0
 
     def check(self) -> str | None:
         if self.overlap_credit > 1.0:
@@ -116,14 +118,14 @@ class KvAffinity:
         self._mean_size = 0.0  # running mean of requests' uncached prompt tokens (SIZE_EMA)
 
     def load_weight(self, request: RequestFacts, pool: Sequence[Candidate]) -> float:
-        """`load_weight`, scaled down as the fleet's mean work left grows past `pressure_scale` requests."""
+        """`load_weight * min(1, pressure_scale * size / mean_load)`: the load weighs less as queues grow."""
         p = self.params
         size = max(1.0, min(prefill_cost(p, c, request.isl) for c in pool))
         self._mean_size = size if not self._mean_size else (1 - SIZE_EMA) * self._mean_size + SIZE_EMA * size
         mean_load = sum(self.load(c) for c in pool) / len(pool)
-        if not p.pressure_scale or mean_load <= p.pressure_scale * self._mean_size:
+        if not p.pressure_scale or not mean_load:
             return p.load_weight
-        return p.load_weight * p.pressure_scale * self._mean_size / mean_load
+        return p.load_weight * min(1.0, p.pressure_scale * self._mean_size / mean_load)
 
     def cost(self, request: RequestFacts, c: Candidate, weight: float) -> float:
         """The blend cost of one candidate."""

@@ -111,8 +111,12 @@ async def test_predicted_cache_sends_a_burst_after_the_first_request():
     table = InstanceTable(["m"])
     for i in range(2):
         table.register(InstanceInfo(f"i{i}", "m", f"127.0.0.1:{8100 + i}", "hybrid", "aggregated"))
+    # At the default load weight (1) waiting behind the first prompt costs as much as computing it again: weigh
+    # the queue at half so that the credited prefix decides.
     config = CoordinatorConfig(
-        scheduler=SchedulerConfig(policy="kv_affinity", kv_affinity={"predicted_cache": True})
+        scheduler=SchedulerConfig(
+            policy="kv_affinity", kv_affinity={"predicted_cache": True, "load_weight": 0.5}
+        )
     )
     tokenizers = TokenizerCache({}, load_tokenizer)
     picker = EndpointPicker(

@@ -27,11 +27,12 @@ def test_formulas(params, candidate, isl, matched, cost):
     [
         # blend: the holder of the prefix wins while its load is low ...
         ({}, [cand("a", npu=8), cand("b")], "a"),
-        # ... and loses when its load outweighs the saved prefill (128 saved < 0.5 * 300 queued prefill)
+        # ... and loses when its load outweighs the saved prefill (128 saved < 300 queued prefill)
         ({}, [cand("a", npu=8, prefill=300), cand("b")], "b"),
-        # a decode token left weighs a quarter of a prefill token: 0.5 * 0.25 * 800 = 100 < 128 saved
-        ({}, [cand("a", npu=8, decode=800), cand("b")], "a"),
-        ({"decode_load_weight": 1.0}, [cand("a", npu=8, decode=800), cand("b")], "b"),
+        ({"load_weight": 0.25}, [cand("a", npu=8, prefill=300), cand("b")], "a"),  # 0.25 * 300 < 128
+        # a decode token left weighs a quarter of a prefill token: 0.25 * 400 = 100 < 128 saved
+        ({}, [cand("a", npu=8, decode=400), cand("b")], "a"),
+        ({"decode_load_weight": 1.0}, [cand("a", npu=8, decode=400), cand("b")], "b"),
         ({"load_weight": 0.1}, [cand("a", npu=8, decode=200), cand("b")], "a"),
         ({"prefill_load_scale": 0.0}, [cand("a", npu=8, decode=5), cand("b")], "b"),
         # prefix: longest match whatever the load
@@ -58,10 +59,10 @@ def test_picks_at_a_fixed_load_weight(params, candidates, expected):
     ("candidates", "expected", "params"),
     [
         # A 1,600-token prompt whose first 128 tokens `a` holds: the least any candidate computes is 1,472 tokens,
-        # the first request's size. Short queues (mean load 150 <= 2 * 1,472): the load weighs load_weight (0.5),
-        # and 300 queued tokens (150) outweigh the 128 the holder saves.
+        # the first request's size. Short queues (mean load 150 <= 1,472): the load weighs load_weight (1), and
+        # 300 queued tokens outweigh the 128 the holder saves.
         ([cand("a", npu=8, prefill=300), cand("b")], "b", None),
-        # Long queues (mean load 14,500, about 10 requests): the weight falls to 0.5 * 2 * 1,472 / 14,500 = 0.10,
+        # Long queues (mean load 14,500, about 10 requests): the weight falls to 1,472 / 14,500 = 0.10,
         # so the holder keeps the prefix while its extra load (0.10 * 1,000 = 102) is worth less than 128.
         ([cand("a", npu=8, prefill=15_000), cand("b", prefill=14_000)], "a", None),
         # ... and hands it on when the imbalance grows past that (0.095 * 3,000 = 285 > 128).

@@ -42,13 +42,13 @@ def test_slots_of_a_candidate():
 
 
 def test_the_instance_holding_the_adapter_wins_over_a_slightly_idler_one():
-    holder = with_lora(cand("h", prefill=1600), ["a"])
+    holder = with_lora(cand("h", prefill=800), ["a"])
     idle = with_lora(cand("i"), ["b"])
-    # A cold load (0.4 x 0.25 s at the prior's 0.1 ms a token: 1000 tokens) outweighs 1600 queued prefill tokens
-    # at kv_affinity's load weight (0.5, pressure scaling off); 2400 do not.
+    # A cold load (0.4 x 0.25 s at the prior's 0.1 ms a token: 1000 tokens) outweighs 800 queued prefill tokens
+    # at kv_affinity's load weight (1, pressure scaling off); 1200 do not.
     policy = LoraAffinity(Params(pressure_scale=0.0))
     assert policy.pick(ask(), [idle, holder]).instance_id == "h"
-    assert policy.pick(ask(), [idle, with_lora(cand("h", prefill=2400), ["a"])]).instance_id == "i"
+    assert policy.pick(ask(), [idle, with_lora(cand("h", prefill=1200), ["a"])]).instance_id == "i"
 
 
 def test_a_second_placement_needs_relief_beyond_its_load_cost_times_the_spread_factor():
