@@ -76,6 +76,22 @@ def test_the_load_weight_falls_as_queues_grow(candidates, expected, params):
     assert policy.pick(facts(isl=1600), candidates).instance_id == expected
 
 
+@pytest.mark.parametrize(
+    ("queued", "weight"),
+    [
+        (0, 1.0),  # nothing queued: the greedy weight
+        (736, 1.0),  # half a request per instance
+        (1472, 1.0),  # one request's uncached prompt (1,472 tokens) per instance: still 1
+        (2944, 0.5),  # two: the copy would delay two queued requests, so the load weighs a half
+        (14_720, 0.1),  # ten: a tenth
+    ],
+)
+def test_the_load_weighs_one_over_the_queued_requests_past_one(queued, weight):
+    policy = create_policy("kv_affinity")
+    pool = [cand("a", npu=8, prefill=queued), cand("b", prefill=queued)]
+    assert policy.load_weight(facts(isl=1600), pool) == pytest.approx(weight)
+
+
 def test_the_request_size_is_a_running_mean():
     policy = create_policy("kv_affinity")
     queued = [cand("a", npu=8, prefill=15_000), cand("b", prefill=14_000)]
