@@ -150,3 +150,17 @@ def test_peers_use_their_real_systems_signals():
     tandem = FleetConfig(policy="kv_affinity")
     assert (tandem.effective_signal, tandem.effective_load_interval_s) == ("counter", 0.25)
     assert FleetConfig(policy="dynamo", signal="counter").effective_signal == "counter"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"load_weigth": 1}', "--kv-params: kv_affinity.load_weigth: unknown parameter"),
+        ("{load", "--kv-params: Expecting property name"),
+    ],
+)
+def test_routing_names_a_bad_kv_affinity_variant_before_running(value, message):
+    from bench.fleet.__main__ import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["routing", "--kv-params", value, "--workloads", "tenants_rag", "--cache-sizes", "2048"])
