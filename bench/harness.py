@@ -34,11 +34,16 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+#: Ports `free_ports` has handed out in this process: never handed out twice, so that two calls (a mesh's ports,
+#: then an etcd's) cannot pick the same port before either server has bound it.
+_HANDED_OUT: set[tuple[str, int]] = set()
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct free TCP ports on `host` (held open together so they differ). They are taken below the
-    kernel's ephemeral range when it leaves room: a port from that range can be taken by any process's outgoing
-    connection between this call and the server's bind (a restarted component's port too), which made a mesh
-    fail to start with "Address already in use" once in a long run."""
+    """`count` distinct free TCP ports on `host` (held open together so they differ), none handed out before in this
+    process. They are taken below the kernel's ephemeral range when it leaves room: a port from that range can be
+    taken by any process's outgoing connection between this call and the server's bind (a restarted component's
+    port too), which made a mesh fail to start with "Address already in use" once in a long run."""
     low = _ephemeral_low()
     rng = random.Random()
     sockets: list[socket.socket] = []
@@ -47,12 +52,22 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s = socket.socket()
             sockets.append(s)
             for _ in range(20 if low > 10_000 else 0):
+                port = rng.randrange(10_000, low)
+                if (host, port) in _HANDED_OUT:
+                    continue
                 with contextlib.suppress(OSError):  # in use: another try
-                    s.bind((host, rng.randrange(10_000, low)))
+                    s.bind((host, port))
                     break
             else:
                 s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
+            if (
+                host,
+                s.getsockname()[1],
+            ) in _HANDED_OUT:  # an earlier call's port, not yet bound by its server
+                sockets.pop().close()
+        ports = [s.getsockname()[1] for s in sockets]
+        _HANDED_OUT.update((host, p) for p in ports)
+        return ports
     finally:
         for s in sockets:
             s.close()
