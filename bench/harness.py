@@ -52,18 +52,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s = socket.socket()
             sockets.append(s)
             for _ in range(20 if low > 10_000 else 0):
-                port = rng.randrange(10_000, low)
-                if (host, port) in _HANDED_OUT:
-                    continue
                 with contextlib.suppress(OSError):  # in use: another try
-                    s.bind((host, port))
+                    s.bind((host, rng.randrange(10_000, low)))
                     break
             else:
                 s.bind((host, 0))
-            if (
-                host,
-                s.getsockname()[1],
-            ) in _HANDED_OUT:  # an earlier call's port, not yet bound by its server
+            # An earlier call's port, free only because its server has not bound it yet: another try.
+            if (host, s.getsockname()[1]) in _HANDED_OUT:
                 sockets.pop().close()
         ports = [s.getsockname()[1] for s in sockets]
         _HANDED_OUT.update((host, p) for p in ports)
