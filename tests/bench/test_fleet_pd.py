@@ -8,7 +8,7 @@ import pytest
 
 from bench.fleet.instance import EngineSpec
 from bench.fleet.links import Links, Topology
-from bench.fleet.pd import PdConfig, PdFleet, PdResult, refine, simulate_pd, splits, spread, suggest
+from bench.fleet.pd import PdConfig, PdFleet, PdResult, best, refine, simulate_pd, splits, spread, suggest
 from bench.fleet.pd_rules import RULES, PdView, create_rule
 from bench.fleet.workload import PromptSource, arrivals
 from coordinator.instances import InstanceInfo, InstanceState
@@ -107,6 +107,15 @@ def test_roles_are_spread_over_nodes():
     assert spread(2, 4, Topology(2)) == [0, 2]
     assert spread(4, 8, Topology(2)) == [0, 1, 4, 5]
     assert splits(4) == [1, 2, 3] and splits(8) == [2, 4, 6] and refine(8, [2, 4, 6], 4) == [3, 5]
+
+
+def test_a_split_is_judged_by_requests_within_the_slos_then_mean_ttft():
+    """A shorter makespan (a higher goodput) with the same requests within the SLOs does not outrank a lower TTFT."""
+    slow = PdResult(prefill=5, ttft_s=[0.5, 0.6], good=2, makespan_s=31.0)
+    fast = PdResult(prefill=6, ttft_s=[0.4, 0.4], good=2, makespan_s=32.0)
+    assert slow.goodput > fast.goodput and best([slow, fast]) is fast
+    more = PdResult(prefill=4, ttft_s=[0.9, 3.0, 0.9], good=3, makespan_s=40.0)
+    assert best([slow, fast, more]) is more
 
 
 def _cfg(rule: str, mode: str = "handoff", **kw) -> PdConfig:
