@@ -29,7 +29,11 @@ a request that comes without `kv_transfer_params` itself) is a candidate too, at
 where the second term charges the stall the prefill puts into the inter-token gap of the sequences decoding
 there (each waits about the prefill's time once): the local choice wins for short uncached prompts (no transfer,
 no second engine's step), prompts mostly cached on a decode instance, and when the prefill pool is saturated
-while a decode instance has slack.
+while a decode instance has slack. It is a candidate only while the step that carries the prefill (D's queued
+prefill and this prompt's uncached tokens, at most `step_budget`) keeps the gap between two tokens of the
+sequences decoding on D within `itl_bound_s` (vLLM puts a prompt of up to the budget into one step): P/D's promise
+is that a prefill never stalls decoding, and without the bound the local choice broke it at load (ITL p99 of
+53-261 ms against 21-47 ms for the always-disaggregated rules in the fleet simulator, docs/pd.md).
 
 A pair whose KV transfer failed lately (its decode engine's failed-transfer counter rose, attributed to the pair by
 `coordinator.link_health`) comes after every other pair, and after serving locally, for `link_cooldown_s`: the
@@ -81,6 +85,9 @@ class Params:
     #: Seconds a pair blamed for a failed KV transfer is left out while another choice exists
     #: (`coordinator.link_health`); 0: never left out.
     link_cooldown_s: float = COOLDOWN_S
+    #: Serving locally is a choice only while the step carrying its prefill keeps the gap between two tokens of the
+    #: sequences decoding there within this many seconds (0: no bound).
+    itl_bound_s: float = 0.05
 
     def check(self) -> str | None:
         if not 0 < self.max_kv_usage <= 1:
@@ -89,6 +96,8 @@ class Params:
             return f"kv_bytes_per_token: must be >= 1, got {self.kv_bytes_per_token}"
         if self.link_cooldown_s < 0:
             return f"link_cooldown_s: must be >= 0, got {self.link_cooldown_s}"
+        if self.itl_bound_s < 0:
+            return f"itl_bound_s: must be >= 0, got {self.itl_bound_s}"
         return None
 
 
@@ -176,6 +185,16 @@ class PdJoint:
         ttft = ttft_s(costs, d.prefill_tokens, _uncached(d, isl), batch, context, self.params.step_budget)
         return ttft + (self.params.interference * own if batch else 0.0)
 
+    def local_gap_s(self, d: Candidate, isl: int) -> float:
+        """The gap between two tokens of the sequences decoding on `d` while the step carries this request's prefill
+        (its queued prefill first, at most a step's token budget; 0 when nothing decodes there)."""
+        batch, context = _batch(d)
+        if not batch:
+            return 0.0
+        costs = _costs(d)
+        work = min(self.params.step_budget, d.prefill_tokens + _uncached(d, isl))
+        return costs.prefill * work + costs.step_s(batch, context)
+
     def decode_pool(self, decodes: Sequence[Candidate]) -> list[Candidate]:
         """Decode candidates with room in their KV cache (the least full ones when none has)."""
         limit = self.params.max_kv_usage
@@ -232,7 +251,10 @@ class PdJoint:
                 if best is None or key < best[0]:
                     best = (key, PairChoice(pc, dc, ttft, moved_s, tokens, cross))
         if self.local or not prefills:
+            bound = self.params.itl_bound_s if prefills else 0.0
             for dc in pool:
+                if bound and self.local_gap_s(dc, isl) > bound:
+                    continue
                 cost = self.local_s(dc, isl) + self.adapter_s(dc, adapter)
                 key = (False, cost, "", dc.instance_id)
                 if best is None or key < best[0]:

@@ -94,6 +94,20 @@ def test_adaptive_serves_locally_when_the_prefill_pool_is_saturated_and_a_decode
     assert choice.prefill is None and choice.decode.instance_id == "d0"
 
 
+def test_adaptive_does_not_serve_locally_where_the_prefill_would_stall_decoding_past_the_itl_bound():
+    """The pool is saturated, so serving on d0 is predicted sooner, but its 4 sequences would wait ~0.42 s for
+    their next token while the step carries a 4,096-token prefill: past the 50 ms bound, so the request is
+    disaggregated; without a bound (0) it is served locally, and with no prefill instance at all it is too."""
+    saturated = [p("p0", prefill=60_000), p("p1", prefill=60_000)]
+    decoding = d("d0", inflight=4, context=4 * 1000)
+    adaptive = create(local=True)
+    assert adaptive.local_gap_s(decoding, ISL) == pytest.approx(0.4096 + COSTS.step_s(4, 1000.0))
+    assert adaptive.choose(ISL, saturated, [decoding]).prefill is not None
+    assert create({"itl_bound_s": 0}, local=True).choose(ISL, saturated, [decoding]).prefill is None
+    assert adaptive.choose(ISL, [], [decoding]).prefill is None
+    assert adaptive.local_gap_s(d("d1"), ISL) == 0.0  # nothing decodes there: no one waits
+
+
 def test_without_a_policy_every_pair_is_scored():
     joint = create()
     prefills = [p(f"p{i}", prefill=1000 * i) for i in range(6)]
@@ -125,6 +139,8 @@ def test_a_node_can_override_its_links():
 def test_bad_parameters_are_named():
     with pytest.raises(ValueError, match="max_kv_usage"):
         create({"max_kv_usage": 1.5})
+    with pytest.raises(ValueError, match="itl_bound_s"):
+        create({"itl_bound_s": -1})
     with pytest.raises(ValueError, match="choose needs at least one decode candidate"):
         create().choose(ISL, [p("p0")], [])
 
