@@ -53,6 +53,7 @@ ROWS = ("aggregated", *(f"{m} {c}" for m in MODES for c in CHOICES))
 #: node `joint` differs from `separate` only by the decode engine's first step: `--rows` runs the others).
 DEFAULT_ROWS = ("aggregated", "handoff separate", "handoff adaptive", "trigger joint")
 CALLBACK = "tandem_coordinator_trigger_callback_path_seconds"
+CHOICES_TOTAL = "tandem_coordinator_pd_choices_total"
 #: simengine's default `--npu-blocks` (the engines here run with their defaults).
 SIMENGINE_NPU_BLOCKS = 4096
 #: The node agents' engine load report period in `bench.harness.mesh_config` meshes, wall seconds.
@@ -75,16 +76,25 @@ def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return prev_bound
 
 
-def callback_buckets(metrics_address: str) -> list[tuple[float, float]]:
+def coordinator_metrics(metrics_address: str) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """The trigger callback path's histogram buckets (le, count) and the P/D choices by kind, from the coordinator."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
-    out = []
+    buckets, choices = [], {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == CALLBACK + "_bucket":
-                out.append((float(s.labels["le"]), s.value))
-    return sorted(out)
+                buckets.append((float(s.labels["le"]), s.value))
+            elif s.name == CHOICES_TOTAL:
+                choices[s.labels["choice"]] = choices.get(s.labels["choice"], 0.0) + s.value
+    return sorted(buckets), choices
+
+
+def local_share(choices: dict[str, float]) -> float:
+    """Share of P/D choices that served the request on one instance (nan when none was made)."""
+    total = sum(choices.values())
+    return choices.get("local", 0.0) / total if total else float("nan")
 
 
 def split_row(row: str) -> tuple[str | None, str]:
@@ -120,7 +130,8 @@ def simulate_row(row: str, args, callback_wall_s: float) -> PdResult:
 
 
 def run_row(row: str, args, requests, workdir: Path):
-    """One fresh mesh for `row`, the replay through Envoy, and (trigger rows) the callback path's buckets."""
+    """One fresh mesh for `row`, the replay through Envoy, the callback path's buckets (trigger rows) and the
+    coordinator's P/D choices by kind."""
     mode, choice = split_row(row)
     n = args.prefill + args.decode
     config = mesh_config(engines=n, engine_args=["--speedup", str(args.speedup)], policy="kv_affinity")
@@ -144,10 +155,10 @@ def run_row(row: str, args, requests, workdir: Path):
             raise RuntimeError(f"engines not healthy: {missing}")
         url = f"http://{config['envoy']['http_listen']}/v1/completions"
         result = asyncio.run(replay(url, "tandem-sim", requests))
-        buckets = callback_buckets(config["coordinator"]["metrics_listen"]) if mode == "trigger" else []
+        buckets, choices = coordinator_metrics(config["coordinator"]["metrics_listen"])
     finally:
         mesh.stop()
-    return result, buckets
+    return result, (buckets if mode == "trigger" else []), choices
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     for row in args.rows:
         print(f"P/D {row}: replaying {len(requests)} requests", file=sys.stderr, flush=True)
-        result, buckets = run_row(row, args, requests, workdir)
+        result, buckets, choices = run_row(row, args, requests, workdir)
         t = result.ttft_s
         real = [result.pct(t, q) * k for q in (50, 90, 99)] + [statistics.fmean(t) * k if t else float("nan")]
         callback = [histogram_quantile(buckets, q) * 1000 for q in (0.5, 0.99)] if buckets else []
@@ -188,10 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         sim = simulate_row(row, args, callback[0] / 1000 if callback and not math.isnan(callback[0]) else 0.0)
         simv = [sim.pct(q) * 1000 for q in (50, 90, 99)] + [sim.mean_ttft * 1000]
         diff = [(a - b) / b if b else float("nan") for a, b in zip(simv, real, strict=True)]
+        shares = (local_share(choices), sim.local / sim.measured if sim.measured else float("nan"))
+        local = ["-" if row == "aggregated" or math.isnan(v) else f"{v:.2f}" for v in shares]
         rows += [
-            f"| {row} | real-time mesh | " + " | ".join(f"{v:.0f}" for v in real) + f" | {result.errors} |",
-            f"| {row} | fleet simulator | " + " | ".join(f"{v:.0f}" for v in simv) + " | |",
-            f"| {row} | difference | " + " | ".join(f"{d:+.0%}" for d in diff) + " | |",
+            f"| {row} | real-time mesh | "
+            + " | ".join(f"{v:.0f}" for v in real)
+            + f" | {local[0]} | {result.errors} |",
+            f"| {row} | fleet simulator | " + " | ".join(f"{v:.0f}" for v in simv) + f" | {local[1]} | |",
+            f"| {row} | difference | " + " | ".join(f"{d:+.0%}" for d in diff) + " | | |",
         ]
         verdicts.append(
             f"{row} {diff[3]:+.1%}" + (" (within 10%)" if abs(diff[3]) <= 0.10 else " (more than 10%)")
@@ -204,10 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(speedup {args.speedup:g}) on one node: all hybrid (aggregated, kv_affinity) or {args.prefill} prefill + "
         f"{args.decode} decode; tandem {__version__}, {platform.machine()} {os.cpu_count()} cores; load average "
         f"(1 min) before / after {load_before:.2f} / {load_after:.2f}. TTFT in simulated ms (real time x speedup). "
-        "Fleet simulator: the same slice, engines, split and rule, scaled as `bench.pd.simulate_row` says.",
+        "Fleet simulator: the same slice, engines, split and rule, scaled as `bench.pd.simulate_row` says. Served "
+        "locally: the share of P/D choices that kept a request on one instance (the coordinator's "
+        "`tandem_coordinator_pd_choices_total`, which counts `joint` and `adaptive` choices only; the simulator's "
+        "measured requests).",
         "",
-        "| row | source | TTFT p50 | p90 | p99 | mean | errors |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| row | source | TTFT p50 | p90 | p99 | mean | served locally | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "Simulator against the mesh on mean TTFT: " + "; ".join(verdicts) + ".",

@@ -1,7 +1,7 @@
 import math
 from argparse import Namespace
 
-from bench.pd import DEFAULT_ROWS, ROWS, histogram_quantile, simulate_row, split_row
+from bench.pd import DEFAULT_ROWS, ROWS, histogram_quantile, local_share, simulate_row, split_row
 
 INF = float("inf")
 
@@ -46,3 +46,9 @@ def test_a_slower_trigger_callback_delays_the_simulated_first_tokens():
     fast = simulate_row("trigger separate", _args(), 0.0)
     slow = simulate_row("trigger separate", _args(), 0.2)  # 0.5 simulated s per callback at speedup 2.5
     assert slow.mean_ttft >= fast.mean_ttft + 0.4
+
+
+def test_the_local_share_counts_the_coordinators_choices():
+    assert local_share({"local": 3.0, "disaggregated": 9.0}) == 0.25
+    assert local_share({"disaggregated": 4.0}) == 0.0
+    assert math.isnan(local_share({}))  # `separate` counts no choice
