@@ -149,9 +149,9 @@ kv_affinity defaults); `make bench` re-runs it.""",
 unchanged; a prefill leg holds its blocks until its KV has left, a decode leg allocates the whole prompt before any
 byte moves), KV transfers over a topology's links shared by concurrent transfers (one NIC per node at 20 GB/s, an
 intra-node fabric at 56 GB/s), handoff timing (prefill, transfer, decode). Every P/D rule runs at its own best P:D
-split (most requests within the SLOs, then lowest mean TTFT; a quarter, half and three quarters of the fleet, then the best
-one's neighbours); `aggregated` runs Tandem's default policy with every instance hybrid. Parameters and the rules'
-sources: docs/pd.md. Not yet validated against the real-time mesh in P/D modes.""",
+split (most requests within the SLOs, then lowest mean TTFT; a quarter, half and three quarters of the fleet, then
+the best one's neighbours); `aggregated` runs Tandem's default policy with every instance hybrid. Parameters and the
+rules' sources: docs/pd.md. The P/D real-time step above checks this model row by row on a smaller slice.""",
     "simengine": """From issue 5: streamed tokens/s one engine process sustains at 256 concurrent streams (CPU
 bound, speedup 10000), and the timing model's TTFT/ITL at speedup 1 against its profile.""",
     "conductor": """From issue 4, `--quick` size (10% of the full run): ingest rate, Match latency at 8k/64 and
