@@ -389,8 +389,8 @@ def cmd_pd(args, progress=None) -> tuple[str, dict]:
     caption_tail = (
         f"{args.mode} mode, {args.nodes} node(s) (NIC {topo.nic_bandwidth / 1e9:g} GB/s, intra-node "
         f"{topo.intra_bandwidth / 1e9:g} GB/s), {args.npu_blocks} NPU blocks of 16 tokens per engine (ascend-910b); "
-        "each rule at its best P:D split (most requests within the SLOs, then lowest mean TTFT; a quarter, half and three "
-        "quarters of the fleet, then the best one's neighbours) "
+        "each rule at its best P:D split (most requests within the SLOs, then lowest mean TTFT; a quarter, half "
+        "and three quarters of the fleet, then the best one's neighbours) "
         + (f"fixed at {args.prefill} prefill instances" if args.prefill else "among the splits tried")
         + f". mean, p99: TTFT in simulated ms; itl p99: p99 over requests of their mean inter-token latency (ms); "
         f"goodput: requests per simulated second with {slo}; bytes across nodes: GB of KV moved between nodes; "

@@ -1,9 +1,9 @@
 """`python -m bench.fleet pd`: every P/D rule on the same arrivals, each at its own best P:D split, against
 aggregated serving; on generated workloads at load levels (grid) or on one Mooncake-format trace.
 
-A rule's best split is the prefill count with the most requests within the SLOs, then the lowest mean TTFT, found in two rounds
-(`bench.fleet.pd.splits`: a quarter, half and three quarters of the fleet; then `refine`: the best one's untried
-neighbours), or `--prefill` alone. The `aggregated` row runs every instance hybrid.
+A rule's best split is the prefill count with the most requests within the SLOs, then the lowest mean TTFT, found
+in two rounds (`bench.fleet.pd.splits`: a quarter, half and three quarters of the fleet; then `refine`: the best
+one's untried neighbours), or `--prefill` alone. The `aggregated` row runs every instance hybrid.
 """
 
 from __future__ import annotations

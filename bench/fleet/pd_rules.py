@@ -350,7 +350,8 @@ class TandemJoint:
 
 class TandemAdaptive(TandemJoint):
     """`tandem_adaptive`: the joint choice that may serve a request on a decode instance alone
-    (`scheduler.pd_choice: adaptive`) when that is predicted sooner."""
+    (`scheduler.pd_choice: adaptive`) when that is predicted sooner and its prefill keeps the decoding sequences there
+    within the ITL bound (`pd_joint.Params.itl_bound_s`)."""
 
     name = "tandem_adaptive"
     local = True
