@@ -43,21 +43,30 @@ class ConnectorBase:
         self.metrics.kv_transfer_bytes.inc(nbytes)
         self.metrics.kv_transfer_peer_bytes.labels(*self.metrics.label_values, peer).inc(nbytes)
 
-    def _done(self, req: Request, ok: bool, tokens: int = 0) -> None:
-        """Ends a request's transfer: `tokens` leading prompt tokens arrived (ok) or none did (compute them)."""
+    def _done(self, req: Request, ok: bool, tokens: int = 0, moved: int | None = None) -> None:
+        """Ends a request's transfer: its `tokens` leading prompt tokens are here (ok), `moved` of them (all when
+        None) brought from the remote engine, the rest found in this engine's prefix cache; or none are (compute
+        them)."""
         req.remote_kv_done = True
         req.remote_kv_ok = ok
         req.num_remote_tokens = tokens
         if ok:
-            self.metrics.kv_transfer_tokens.inc(tokens)
+            self.metrics.kv_transfer_tokens.inc(tokens if moved is None else moved)
         self.engine.wake()
 
-    async def _arrive(self, req: Request, tokens: int) -> None:
-        """The KV of `tokens` prompt tokens was received: lets the profile's transfer time pass, then hands it to
-        the request unless the request ended meanwhile."""
-        await asyncio.sleep(self.engine.profile.transfer_s(tokens) / self.cfg.speedup)
+    async def _arrive(self, req: Request, tokens: int, moved: int | None = None) -> None:
+        """The KV of `moved` prompt tokens (all `tokens` when None) was received: lets the profile's transfer time
+        for them pass, then hands the `tokens` leading tokens to the request unless it ended meanwhile."""
+        moved = tokens if moved is None else moved
+        await asyncio.sleep(self.engine.profile.transfer_s(moved) / self.cfg.speedup)
         if not req.is_finished:
-            self._done(req, True, tokens)
+            self._done(req, True, tokens, moved)
+
+    def _cached_blocks(self, req: Request) -> int:
+        """Leading prompt blocks the decode engine's prefix cache already held when the request was scheduled: as
+        vLLM's decode side, it does not pull them again (NixlConnector reads only the blocks it allocated
+        uncached, `get_unhashed_block_ids`; vLLM-Ascend's Mooncake connectors skip `remote_cached_tokens`)."""
+        return max(req.num_cached_tokens, 0) // self.cfg.block_size
 
     def _fall_back(self, req: Request) -> None:
         """A transfer failed: counted, and the request computes its prompt here."""

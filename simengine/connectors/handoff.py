@@ -12,7 +12,9 @@ successful one in `vllm:nixl_bytes_transferred` (histogram), a failed one in `vl
 KV there before answering.
 
 Wire of the KV listener (one TCP connection per transfer): a JSON header line, then `nbytes` raw bytes.
-`{"op":"pull","remote_request_id":..}` -> `{"ok":true,"num_tokens":N,"nbytes":B}\\n` + B bytes;
+`{"op":"pull","remote_request_id":..,"skip_blocks":K}` -> `{"ok":true,"num_tokens":N,"nbytes":B}\\n` + B bytes
+(the prompt's N leading tokens in full blocks; B the bytes of those after the K leading blocks the decode engine's
+prefix cache holds, which it does not pull again, as vLLM's decode side);
 `{"op":"push","request_id":..,"num_tokens":N,"nbytes":B}\\n` + B bytes -> `{"ok":true}\\n` (a push nobody waits
 for: `{"ok":false,"error":..}`).
 """
@@ -52,6 +54,11 @@ def flat_block_ids(value: Any) -> list[int] | None:
     if isinstance(value, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in value):
         return value
     return None
+
+
+def _int(value: Any) -> int:
+    """A non-negative count from a peer's JSON; 0 when absent or malformed."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _valid_handoff(params: dict) -> bool:
@@ -193,7 +200,8 @@ class HandoffConnector(ConnectorBase):
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(params["remote_host"], params["remote_port"])
             try:
-                header = {"op": "pull", "remote_request_id": params["remote_request_id"]}
+                skip = self._cached_blocks(req)
+                header = {"op": "pull", "remote_request_id": params["remote_request_id"], "skip_blocks": skip}
                 writer.write(json.dumps(header).encode() + b"\n")
                 async with asyncio.timeout(timeout):
                     reply = json.loads(await reader.readline())
@@ -207,7 +215,9 @@ class HandoffConnector(ConnectorBase):
                 tokens = int(reply.get("num_tokens", req.num_prompt_tokens))
             finally:
                 writer.close()
-            await self._arrive(req, tokens)
+            await self._arrive(
+                req, tokens, reply["nbytes"] // self.cfg.kv_bytes_per_block * self.cfg.block_size
+            )
         except (OSError, ValueError, KeyError, TimeoutError, asyncio.IncompleteReadError) as e:
             log.warning("KV pull for %s failed (%s); computing the prompt locally", req.request_id, e)
             if self.metrics.nixl_failed_transfers is not None:
@@ -217,7 +227,10 @@ class HandoffConnector(ConnectorBase):
     async def push(self, request: Request, params: dict) -> None:
         """Sends a finished prompt's KV to the decode engine named in `params` (the prefill side of trigger)."""
         blocks = flat_block_ids(params.get("remote_block_ids")) or []
-        nbytes = max(len(blocks), 1) * self.cfg.kv_bytes_per_block
+        # The decode engine's own prefix hit is not sent (vLLM-Ascend's layerwise connector starts at
+        # `remote_cached_tokens`).
+        cached = _int(params.get("remote_cached_tokens")) // self.cfg.block_size
+        nbytes = max(len(blocks) - cached, 1) * self.cfg.kv_bytes_per_block
         header = {
             "op": "push",
             "request_id": params.get("request_id"),
@@ -259,7 +272,8 @@ class HandoffConnector(ConnectorBase):
                     writer.write(b'{"ok":false,"error":"unknown or expired remote_request_id"}\n')
                     return
                 num_blocks = req.num_prompt_tokens // self.cfg.block_size
-                nbytes = max(num_blocks, 1) * self.cfg.kv_bytes_per_block
+                skip = min(_int(header.get("skip_blocks")), num_blocks)
+                nbytes = max(num_blocks - skip, 1) * self.cfg.kv_bytes_per_block
                 reply = {"ok": True, "num_tokens": num_blocks * self.cfg.block_size, "nbytes": nbytes}
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await _write_bytes(writer, nbytes)

@@ -72,11 +72,14 @@ class MooncakeConnector(HandoffConnector):
         assert transport is not None  # opened in start()
         remote = flat_block_ids(params.get("remote_block_ids")) or []
         local = req.block_ids[: len(remote)]
+        tokens = len(local) * self.cfg.block_size
+        # Held here already: not read again (at least one block is, which tells the prefill side to free them).
+        skip = min(self._cached_blocks(req), max(len(local) - 1, 0))
+        remote, local = remote[skip : len(local)], local[skip:]
         result = await asyncio.to_thread(
             transport.pull, params["remote_host"], int(params["remote_port"]),
             str(params.get("remote_request_id", "")), remote, local,
         )  # fmt: skip
-        tokens = len(local) * self.cfg.block_size
         if result.ok:
             self._moved(params["remote_host"], result.nbytes)
             bad = sum(
@@ -93,7 +96,7 @@ class MooncakeConnector(HandoffConnector):
         else:
             log.error("Mooncake KV transfer for %s failed: %s", req.request_id, result.error)
             self.metrics.kv_transfer_failures.inc()
-        await self._arrive(req, tokens)
+        await self._arrive(req, tokens, len(local) * self.cfg.block_size)
 
 
 def create(cfg: EngineConfig, engine: Engine) -> HandoffConnector:

@@ -105,6 +105,46 @@ async def test_handoff_streaming_and_mooncake_fields(trio):
     assert got == expected
 
 
+#: Two prompts sharing a long document: the second finds the document's blocks in the decode engine's cache.
+DOC = "the cache server keeps each block of the shared document for every question " * 8
+FIRST = {"prompt": DOC + "what is the first question", "max_tokens": 4, "ignore_eos": True}
+SECOND = {"prompt": DOC + "and now a different question", "max_tokens": 4, "ignore_eos": True}
+KV_BYTES_PER_BLOCK = 4096  # simengine's default `--kv-bytes-per-block`
+
+
+async def handoff(s, agg, p, d, body, rid):
+    """One request through the pair (prefill leg, then decode leg): the decode engine's answer and the
+    aggregated engine's, and the decode engine's pulled bytes, transferred tokens and prefix hits it took."""
+    before = [d.metric(m) for m in ("simengine:kv_transfer_bytes_total", "simengine:kv_transfer_tokens_total",
+                                    "vllm:prefix_cache_hits_total")]  # fmt: skip
+    _, expected = await post(s, agg.url + "/v1/completions", body)
+    leg = {**body, "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
+    _, pre = await post(s, p.url + "/v1/completions", leg, rid)
+    params = pre["kv_transfer_params"]
+    status, out = await post(s, d.url + "/v1/completions", {**body, "kv_transfer_params": params}, rid)
+    assert status == 200
+    after = [d.metric(m) for m in ("simengine:kv_transfer_bytes_total", "simengine:kv_transfer_tokens_total",
+                                   "vllm:prefix_cache_hits_total")]  # fmt: skip
+    moved, tokens, hit = (a - b for a, b in zip(after, before, strict=True))
+    return first_text(out), first_text(expected), len(params["remote_block_ids"][0]), moved, tokens, hit
+
+
+@pytest.mark.parametrize("connector", ["NixlConnector", "MooncakeConnector"])
+async def test_handoff_pulls_only_the_blocks_the_decode_engine_lacks(trio, connector):
+    """As vLLM's NixlConnector (`get_num_new_matched_tokens`: the prompt minus the locally computed tokens; only
+    the unhashed blocks are read) and vLLM-Ascend's Mooncake connector: the second request's document is in the
+    decode engine's cache already."""
+    agg, p, d = trio(connector)
+    async with aiohttp.ClientSession() as s:
+        got, expected, blocks, moved, tokens, hit = await handoff(s, agg, p, d, FIRST, "first")
+        assert got == expected and hit == 0
+        assert moved == blocks * KV_BYTES_PER_BLOCK and tokens == blocks * 16
+        got, expected, blocks, moved, tokens, hit = await handoff(s, agg, p, d, SECOND, "second")
+    assert got == expected and hit >= 16 * 8  # the document's leading blocks
+    assert moved == (blocks - hit // 16) * KV_BYTES_PER_BLOCK and tokens == blocks * 16 - hit
+    assert d.metric("simengine:kv_transfer_fallbacks_total") == 0
+
+
 async def test_bad_params_and_failed_pull_fall_back(trio):
     agg, p, d = trio("NixlConnector")
     async with aiohttp.ClientSession() as s:
@@ -246,6 +286,24 @@ async def test_trigger_pair_matches_aggregated(trio):
             'vllm:prompt_tokens_by_source_total{engine="0",model_name="sim-8b",source="external_kv_transfer"}'
         )
         > 0
+    )
+
+
+async def test_trigger_pushes_only_the_blocks_the_decode_engine_lacks(trio):
+    """The callback names the decode engine's own hit (`remote_cached_tokens`); the prefill engine pushes the blocks
+    after it (vLLM-Ascend's layerwise connector starts sending there)."""
+    agg, p, d = trio("MooncakeLayerwiseConnector")
+    got, expected, meta = await run_trigger(agg, p, d, "/v1/completions", FIRST)
+    assert got == expected and meta.callbacks[0]["remote_cached_tokens"] == 0
+    sent = p.metric("simengine:kv_transfer_bytes_total")
+    assert sent == len(meta.callbacks[0]["remote_block_ids"][0]) * KV_BYTES_PER_BLOCK
+    got, expected, meta = await run_trigger(agg, p, d, "/v1/completions", SECOND)
+    cb = meta.callbacks[0]
+    assert got == expected and cb["remote_cached_tokens"] >= 16 * 8
+    skipped = cb["remote_cached_tokens"] // 16
+    assert (
+        p.metric("simengine:kv_transfer_bytes_total") - sent
+        == (len(cb["remote_block_ids"][0]) - skipped) * KV_BYTES_PER_BLOCK
     )
 
 
