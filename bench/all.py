@@ -34,6 +34,12 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "overhead.md",
     ),
     (
+        "envoy_cost",
+        "What each part of Envoy's path costs: the mesh's configuration with one part taken out at a time",
+        ["bench.envoy_cost", "--requests", "1500", "--output", "{out}/envoy-cost.md"],
+        "envoy-cost.md",
+    ),
+    (
         "profile",
         "Where the mesh's CPU goes per request: py-spy under the overhead benchmark's load",
         ["bench.profile", "--output", "{out}/profile.md"],
@@ -183,7 +189,8 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
 #: its load has decayed by the next real-time step; the chaos soak (about 20 processes) last, with nothing after it
 #: to wait for the load it leaves.
 RUN_ORDER = [
-    "overhead", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli", "pd", "validate",
+    "overhead", "envoy_cost", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli",
+    "pd", "validate",
     "simengine", "conductor", "kv_relay", "replicas", "profile", "signal", "routing", "fleet_pd", "overload",
     "overload_mixed", "lora",
     "scale", "chaos",
@@ -195,7 +202,8 @@ STDERR_TAIL_LINES = 40
 #: Steps timed on the wall clock (engines, meshes, routers, real-time replays): each starts only once the load
 #: average has fallen to SETTLED_LOAD (the simulator's steps keep both cores busy), waiting at most `--settle-s`.
 REAL_TIME = {
-    "overhead", "decision_stall", "mtls", "policies", "policies_pressure", "sli", "pd", "validate", "replicas",
+    "overhead", "envoy_cost", "decision_stall", "mtls", "policies", "policies_pressure", "sli", "pd", "validate",
+    "replicas",
     "chaos", "simengine", "conductor", "kv_relay",
 }  # fmt: skip
 SETTLED_LOAD = 1.0

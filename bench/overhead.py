@@ -214,11 +214,18 @@ async def one_request(
 
 
 async def run_round(
-    urls: list[str], count: int, concurrency: int, body: dict, stats: PathStats, stream: bool, fresh: bool
+    urls: list[str],
+    count: int,
+    concurrency: int,
+    body: dict,
+    stats: PathStats,
+    stream: bool,
+    fresh: bool,
+    headers: dict[str, str] | None = None,
 ) -> None:
     connector = aiohttp.TCPConnector(limit=concurrency * 2, force_close=fresh)
     async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+        connector=connector, timeout=aiohttp.ClientTimeout(total=120), headers=headers
     ) as session:
         counter = iter(range(count))
 

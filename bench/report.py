@@ -46,6 +46,17 @@ machine (its load average is printed), so latencies are noisy; CPU per request i
 "before" coordinator has no node agent or conductor attached (the bench registers the engines with it), so it
 does less background work than the mesh's coordinator (agents' heartbeats, conductor health, config watch);
 at concurrency 1 this favours it in both CPU per request and latency.""",
+    "envoy_cost": """From issue 24 ("find which filters and access-log settings cost what by measuring them one
+at a time against the prototype path"): the Envoy configuration `tandem up` renders for an aggregated mesh, run as
+an Envoy of its own next to copies with one part taken out (the gRPC access log; the guards: connection limit
+filter, overload manager, first-byte listener inspector and OpenAI-shaped local replies; the decision call's
+retry policy; routing to the engine the decision names) and down to a plain proxy, every copy in front of the
+same engines and of a do-nothing upstream, at the same request rate, taking turns. Only Envoy's own CPU is
+counted. What it says: the guards, the access log, the retry policy and ORIGINAL_DST routing are each within the
+run's noise; the per-request gRPC Check with the body is Envoy's whole added cost, on the order of the
+prototypes' (`ext_authz` with the body and the access log, 0.17-0.21 CPU s per 1,000 requests over a 0.055 floor
+at concurrency 32). At a fixed rate of 400 requests per second Envoy wakes for nearly every request, so every
+row costs more than at concurrency 32 (`bench.overhead`), where a wake-up finds several.""",
     "profile": """From issue 24 ("profile, then cut"): py-spy samples the coordinator (with its tokenizer worker),
 the conductor and the node agent while the overhead benchmark's non-streaming load runs through Envoy
 (`kv_affinity`, plain text). The tables list the frames holding the most busy samples; "event loop / gRPC core"
