@@ -43,14 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import yaml
 
-from bench.harness import free_ports, wait_until
 from bench.overhead import NULL_MODEL, Bench, PathStats, cpu_seconds, one_request, run_round
-from mesh.config import parse_mesh_config
-from mesh.envoy import admin_get, write_envoy_config
 from mesh.up import envoy_binary
-from tandem.protogen import DESCRIPTOR
 from tandem.version import __version__
 
 VARIANTS = (
@@ -150,32 +145,10 @@ class EnvoyCost:
         nulls = [i.address for i in self.bench.registrars[0].instances]
         engines = [f"127.0.0.1:{e['port']}" for e in self.bench.config["node_agents"][0]["engines"]]
         for name in self.args.variants:
-            self.envoys[name] = self._envoy(name, {"engines": engines, "null": nulls})
-
-    def _envoy(self, name: str, upstreams: dict[str, list[str]]) -> tuple[str, int]:
-        ports = free_ports(3)
-        workdir = self.bench.workdir
-        slug = name.replace(" ", "-")
-        admin = workdir / f"envoy-{slug}-admin.sock"
-        data = yaml.safe_load(yaml.safe_dump(self.bench.config))
-        data["envoy"].update(
-            http_listen=f"127.0.0.1:{ports[0]}",
-            grpc_listen=f"127.0.0.1:{ports[1]}",
-            admin_socket=str(admin),
-            callback_listen=f"127.0.0.1:{ports[2]}",
-            base_id=ports[0],
-        )
-        rendered = write_envoy_config(
-            parse_mesh_config(data), DESCRIPTOR, workdir / f"envoy-{slug}.rendered.yaml"
-        )
-        path = workdir / f"envoy-{slug}.yaml"
-        path.write_text(yaml.safe_dump(variant(yaml.safe_load(rendered.read_text()), name, upstreams)))
-        argv = [envoy_binary(), "-c", str(path), "--base-id", str(ports[0]), "--log-level", "error"]
-        proc = subprocess.Popen([*argv, "--concurrency", "1"])
-        self.bench.others.append(proc)
-        ready = lambda: admin.exists() and admin_get(admin, "/ready")[0] == 200  # noqa: E731
-        wait_until(ready, 30, f"the {name!r} Envoy ready", 0.1, ignore=(OSError,))
-        return f"http://127.0.0.1:{ports[0]}/v1/completions", proc.pid
+            upstreams = {"engines": engines, "null": nulls}
+            self.envoys[name] = self.bench.second_envoy(
+                name.replace(" ", "-").replace(",", ""), lambda c, n=name, u=upstreams: variant(c, n, u)
+            )
 
     def stop(self) -> None:
         self.bench.stop()

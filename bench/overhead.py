@@ -27,8 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -280,10 +282,13 @@ class Bench:
         self.policy = policy
         time.sleep(2.5)
 
-    def _ext_proc_envoy(self) -> tuple[str, int]:
-        """A second Envoy in front of the same coordinator, deciding with ext_proc; its URL and pid."""
+    def second_envoy(
+        self, slug: str, transform: Callable[[dict], dict] | None = None, **envoy: Any
+    ) -> tuple[str, int]:
+        """Another Envoy in front of the same coordinator and engines, rendered from the mesh file with the `envoy:`
+        keys `envoy` changed and the rendered configuration passed through `transform`; its URL and pid."""
         ports = free_ports(3)
-        admin = self.workdir / "envoy-ext-proc-admin.sock"
+        admin = self.workdir / f"envoy-{slug}-admin.sock"
         data = yaml.safe_load(yaml.safe_dump(self.config))
         data["envoy"].update(
             http_listen=f"127.0.0.1:{ports[0]}",
@@ -291,14 +296,16 @@ class Bench:
             admin_socket=str(admin),
             callback_listen=f"127.0.0.1:{ports[2]}",
             base_id=ports[0],
-            decision="ext_proc",
+            **envoy,
         )
-        path = write_envoy_config(parse_mesh_config(data), DESCRIPTOR, self.workdir / "envoy-ext-proc.yaml")
+        path = write_envoy_config(parse_mesh_config(data), DESCRIPTOR, self.workdir / f"envoy-{slug}.yaml")
+        if transform is not None:
+            path.write_text(yaml.safe_dump(transform(yaml.safe_load(path.read_text()))))
         argv = [envoy_binary(), "-c", str(path), "--base-id", str(ports[0]), "--log-level", "error"]
         proc = subprocess.Popen([*argv, "--concurrency", "1"])
         self.others.append(proc)
         ready = lambda: admin.exists() and admin_get(admin, "/ready")[0] == 200  # noqa: E731
-        wait_until(ready, 30, "the ext_proc Envoy ready", 0.1, ignore=(OSError,))
+        wait_until(ready, 30, f"the {slug} Envoy ready", 0.1, ignore=(OSError,))
         return f"http://127.0.0.1:{ports[0]}/v1/completions", proc.pid
 
     def start(self) -> list[Path_]:
@@ -331,7 +338,7 @@ class Bench:
                 policy, decision = TANDEM_PATHS[name]
                 url, path_pids = mesh_url, pids
                 if decision == "ext_proc":
-                    url, envoy_pid = self._ext_proc_envoy()
+                    url, envoy_pid = self.second_envoy("ext-proc", decision="ext_proc")
                     path_pids = {**pids, "envoy": envoy_pid}
                 paths.append(
                     Path_(
