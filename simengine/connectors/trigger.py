@@ -96,8 +96,8 @@ class TriggerConnector(HandoffConnector):
                     self._spawn(self._post_callback(params["metaserver"], body, fut, req.traceparent))
             async with asyncio.timeout(self.cfg.kv_transfer_timeout):
                 tokens = await asyncio.shield(fut)
-            if not req.is_finished:
-                self._done(req, True, tokens)
+            if not req.is_finished:  # the prefill engine pushed what this engine's prefix cache lacks
+                self._done(req, True, tokens, max(tokens - self._cached_blocks(req) * self.cfg.block_size, 0))
         except TimeoutError:
             self.metrics.kv_transfer_failures.inc()
             self.engine.fail(

@@ -297,6 +297,7 @@ async def test_trigger_pushes_only_the_blocks_the_decode_engine_lacks(trio):
     assert got == expected and meta.callbacks[0]["remote_cached_tokens"] == 0
     sent = p.metric("simengine:kv_transfer_bytes_total")
     assert sent == len(meta.callbacks[0]["remote_block_ids"][0]) * KV_BYTES_PER_BLOCK
+    arrived, prompts = d.metric("simengine:kv_transfer_tokens_total"), p.metric("vllm:prompt_tokens_total")
     got, expected, meta = await run_trigger(agg, p, d, "/v1/completions", SECOND)
     cb = meta.callbacks[0]
     assert got == expected and cb["remote_cached_tokens"] >= 16 * 8
@@ -305,6 +306,9 @@ async def test_trigger_pushes_only_the_blocks_the_decode_engine_lacks(trio):
         p.metric("simengine:kv_transfer_bytes_total") - sent
         == (len(cb["remote_block_ids"][0]) - skipped) * KV_BYTES_PER_BLOCK
     )
+    # The decode engine counts the prompt tokens it was sent, not those it held.
+    prompt = p.metric("vllm:prompt_tokens_total") - prompts
+    assert d.metric("simengine:kv_transfer_tokens_total") - arrived == prompt - skipped * 16
 
 
 async def test_trigger_duplicate_callbacks_prefill_once(engines):
