@@ -84,6 +84,8 @@ def _static_cluster(config: dict, name: str, addresses: list[str]) -> dict:
 
 def variant(config: dict, name: str, upstreams: dict[str, list[str]]) -> dict:
     """The rendered configuration `config` changed as the variant `name` says (module docstring); a new dict."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
     out = copy.deepcopy(config)
     listener, hcm = _ingress(out)
     if name in ("no access log", "plain proxy"):
@@ -118,8 +120,6 @@ def variant(config: dict, name: str, upstreams: dict[str, list[str]]) -> dict:
         out["static_resources"]["clusters"] += [
             _static_cluster(config, f"bench_{up}", a) for up, a in upstreams.items()
         ]
-    elif name not in VARIANTS:
-        raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
     return out
 
 
@@ -144,11 +144,10 @@ class EnvoyCost:
         self.bench.start()
         nulls = [i.address for i in self.bench.registrars[0].instances]
         engines = [f"127.0.0.1:{e['port']}" for e in self.bench.config["node_agents"][0]["engines"]]
+        upstreams = {"engines": engines, "null": nulls}
         for name in self.args.variants:
-            upstreams = {"engines": engines, "null": nulls}
-            self.envoys[name] = self.bench.second_envoy(
-                name.replace(" ", "-").replace(",", ""), lambda c, n=name, u=upstreams: variant(c, n, u)
-            )
+            slug = name.replace(" ", "-").replace(",", "")
+            self.envoys[name] = self.bench.second_envoy(slug, lambda c, n=name: variant(c, n, upstreams))
 
     def stop(self) -> None:
         self.bench.stop()
