@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shlex
 import subprocess
 import sys
@@ -226,6 +227,20 @@ def settle(limit_s: float, poll_s: float = 2.0) -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: every state but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its descendants that have ended and been waited for (a step's processes,
+    once it is over)."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _run_position(step: tuple) -> int:
     """Where a step runs: its place in RUN_ORDER (a step missing there runs after the others, in STEPS' order)."""
     return RUN_ORDER.index(step[0]) if step[0] in RUN_ORDER else len(RUN_ORDER)
@@ -364,8 +379,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        t0 = time.monotonic()
+        t0, busy0, own0 = time.monotonic(), busy_cpu_s(), own_cpu_s()
         returncode, stdout, stderr_tail = run_step(argv_)
+        elapsed = time.monotonic() - t0
+        # The machine's busy CPU that was not the step's: other work running beside it.
+        others = max(0.0, (busy_cpu_s() - busy0) - (own_cpu_s() - own0)) / max(elapsed, 1e-9)
         (out / f"{name}.stdout.txt").write_text(stdout)
         stderr_path = out / f"{name}.stderr.txt"
         stderr_path.unlink(missing_ok=True)
@@ -374,12 +392,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name} failed; the end of its stderr:\n{stderr_tail}", file=sys.stderr, flush=True)
         meta[name] = {
             "command": shown,
-            "seconds": round(time.monotonic() - t0, 1),
+            "seconds": round(elapsed, 1),
             "exit": returncode,
             "finished": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
             "load_before": load_before,
             "settled_s": round(waited),
             "load_after": round(os.getloadavg()[0], 2),
+            "others_cores": round(others, 2),
         }
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         print(
@@ -426,17 +445,20 @@ def write_report(path: Path, info, sections, total: float, only) -> None:
         f"`make bench` (`python -m bench.all`) runs the steps below, {all_minutes:.1f} minutes in all as last run, "
         f"waits for the load average to settle at {SETTLED_LOAD:g} included"
         + (f" (this report's last invocation re-ran only: {', '.join(only)})" if only else "")
-        + ". A real-time step that began above it is marked: its timings are not a result.",
+        + ". A real-time step that began above it is marked: its timings are not a result. Other work: the cores the "
+        "machine spent busy during the step on anything but the step's own processes (its load average after counts "
+        "both).",
         "",
-        "| step | command | minutes (+ settling) | finished (UTC) | load average before / after |",
-        "|---|---|---:|---|---:|",
+        "| step | command | minutes (+ settling) | finished (UTC) | load average before / after | other work (cores) |",
+        "|---|---|---:|---|---:|---:|",
     ]
     for name, title, m, _ in sections:
         before = m.get("load_before", "n/a")
         unsettled = name in REAL_TIME and isinstance(before, float | int) and before > SETTLED_LOAD
         lines.append(
             f"| {title} | `{m['command']}` | {m['seconds'] / 60:.1f} (+{m.get('settled_s', 0) / 60:.1f}) "
-            f"| {m['finished']} | {before}{' **(unsettled)**' if unsettled else ''} / {m['load_after']} |"
+            f"| {m['finished']} | {before}{' **(unsettled)**' if unsettled else ''} / {m['load_after']} "
+            f"| {m.get('others_cores', '-')} |"
         )
     for name, title, m, body in sections:
         lines += ["", f"## {title}", "", f"`{m['command']}` ({m['seconds']:.0f} s)", ""]

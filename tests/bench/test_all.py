@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -59,3 +61,31 @@ def test_settling_waits_for_the_load_average_to_fall(monkeypatch):
     loads = iter([2.0, 2.0, 1.5, 0.5])
     monkeypatch.setattr(bench_all.os, "getloadavg", lambda: (next(loads, 0.5), 0.0, 0.0))
     assert bench_all.settle(5, poll_s=0) == 0.5
+
+
+BUSY_1S = [
+    "timeit",
+    "-n",
+    "1",
+    "-r",
+    "1",
+    "import time; t = time.process_time()\nwhile time.process_time() - t < 1: pass",
+]
+IDLE_1S = ["timeit", "-n", "1", "-r", "1", "import time; time.sleep(1)"]
+
+
+def test_other_work_during_a_step_is_reported_apart_from_the_steps_own_cpu(tmp_path, steps):
+    steps(("busy", "Busy", BUSY_1S, None))
+    assert bench_all.main(["--docs", str(tmp_path)]) == 0
+    own = json.loads((tmp_path / "bench" / "steps.json").read_text())["busy"]["others_cores"]
+    assert own < 0.5  # a whole core of the step's own: not other work
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        steps(("idle", "Idle", IDLE_1S, None))
+        assert bench_all.main(["--docs", str(tmp_path)]) == 0
+    finally:
+        spinner.kill()
+        spinner.wait()
+    meta = json.loads((tmp_path / "bench" / "steps.json").read_text())
+    assert meta["idle"]["others_cores"] > 0.5  # the spinner, beside a step that sleeps
+    assert f"| {meta['idle']['others_cores']} |" in (tmp_path / "benchmarks.md").read_text()
