@@ -447,7 +447,8 @@ def write_report(path: Path, info, sections, total: float, only) -> None:
         + (f" (this report's last invocation re-ran only: {', '.join(only)})" if only else "")
         + ". A real-time step that began above it is marked: its timings are not a result. Other work: the cores the "
         "machine spent busy during the step on anything but the step's own processes (its load average after counts "
-        "both).",
+        "both; a process the step leaves to init, as the chaos soak's engines that outlive a killed agent, counts as "
+        "other work).",
         "",
         "| step | command | minutes (+ settling) | finished (UTC) | load average before / after | other work (cores) |",
         "|---|---|---:|---|---:|---:|",
