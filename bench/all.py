@@ -21,6 +21,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.harness import envoy_version
 from bench.peers import version as peer_version
 from tandem.version import __version__
 
@@ -295,7 +296,7 @@ def machine() -> list[tuple[str, str]]:
         mem = f"{kb / 1024 / 1024:.0f} GiB"
     except (OSError, ValueError, IndexError):
         pass
-    envoy = _run([str(Path(sys.executable).parent / "envoy"), "--version"]).split("version:")[-1].strip()
+    envoy = envoy_version()
     return [
         ("date (UTC)", datetime.now(UTC).strftime("%Y-%m-%d %H:%M")),
         ("CPU", f"{cpu}, {os.cpu_count()} cores"),

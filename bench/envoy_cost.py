@@ -19,7 +19,8 @@ do-nothing upstream registered as a second model. Each variant is an Envoy of it
   (chosen by a header the load generator sets) instead of to the engine the decision names (ORIGINAL_DST);
 - `no decision`: without ext_authz; requests go round robin over a static cluster of the upstream (chosen by a
   header the load generator sets), the access log and the guards kept;
-- `plain proxy`: no decision, no access log, no guards: the floor of the prototypes (`../shared/MEASURED.md`).
+- `plain proxy`: no decision, no access log, no guards: the floor (the prototypes this design started from measured
+  a plain Envoy with static round robin at 0.055 CPU s per 1,000 requests, concurrency 32, instant upstreams).
 
 Variants take turns in `--rounds` rounds, each sending `--requests / --rounds` non-streaming requests to each
 upstream at `--rate` per second, open loop, so that every variant does the same work per second (with `--rate 0`,
@@ -36,7 +37,6 @@ import copy
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.harness import envoy_version
 from bench.overhead import NULL_MODEL, Bench, PathStats, cpu_seconds, one_request, run_round
-from mesh.up import envoy_binary
 from tandem.version import __version__
 
 VARIANTS = (
@@ -258,10 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="also write the table (markdown) to this file")
     args = parser.parse_args(argv)
     args.load_start = os.getloadavg()[0]
-    args.envoy_version = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True).stdout
-    args.envoy_version = (
-        args.envoy_version.split("version:")[-1].strip().split("/")[1] if args.envoy_version else "?"
-    )
+    build = envoy_version().split("/")  # <commit>/<version>/<status>/<build type>/<TLS library>, or n/a
+    args.envoy_version = build[1] if len(build) > 2 else "/".join(build)
 
     from tqdm import tqdm
 

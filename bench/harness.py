@@ -23,6 +23,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# -- Envoy -------------------------------------------------------------------------------------------------------
+
+
+def envoy_version() -> str:
+    """The build of the Envoy `tandem up` runs, as `envoy --version` prints it (`<commit>/<version>/<status>/<build
+    type>/<TLS library>`); "n/a" when it cannot be run."""
+    from mesh.up import StartError, envoy_binary
+
+    try:
+        out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError, StartError):
+        return "n/a"
+    return out.split("version:")[-1].strip() or "n/a"
+
+
 # -- ports -------------------------------------------------------------------------------------------------------
 
 
