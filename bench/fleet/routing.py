@@ -159,6 +159,7 @@ def run_cells(
                 engine=cell.engine(engine),
                 warmup=warmup,
                 seed=cell.seed,
+                sample_replication=True,
             )
             jobs.append((len(out) - 1, label, (cfg, ArrivalsWork(arr, cell.seed))))
     results = run_many([j for _, _, j in jobs], workers, progress)

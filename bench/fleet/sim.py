@@ -94,6 +94,9 @@ class FleetConfig:
     predicted_lifetime_s: float = 10.0  # the coordinator's `predicted_cache_lifetime_ms` / 1000
     faults: Faults | None = None
     warmup: int = 0  # first arrivals left out of TTFT and hit-rate figures (they warm the caches)
+    #: Sample `FleetResult.replicated` (a pass over every cached block of every engine each `REPLICATION_EVERY`
+    #: measured arrivals: a quarter of a 128-instance run's time, so only where a table shows it).
+    sample_replication: bool = False
     model: str = "tandem-sim"
 
     @property
@@ -140,7 +143,8 @@ class FleetResult:
     evictions: int = 0
     measured: int = 0
     #: Share of the distinct blocks in the engines' prefix caches that more than one engine holds, averaged over
-    #: samples taken every `REPLICATION_EVERY` measured arrivals (how much cache the fleet spends on copies).
+    #: samples taken every `REPLICATION_EVERY` measured arrivals (how much cache the fleet spends on copies); NaN
+    #: unless `FleetConfig.sample_replication`.
     replicated: float = float("nan")
     steps: int = 0
     decisions: int = 0
@@ -418,7 +422,7 @@ class Fleet:
                     if not r.measured:
                         evictions_at_warmup = self._evictions()
                     r.measured += 1
-                    if r.measured % REPLICATION_EVERY == 0:
+                    if cfg.sample_replication and r.measured % REPLICATION_EVERY == 0:
                         replication.append(self._replication())
                 prompt = prompts.tokens(a)
                 facts = RequestFacts(f"r{a.key}", cfg.model, a.input_len, a.output_len)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.fleet.instance import EngineSpec, LazyBlockPool
-from bench.fleet.sim import Fleet, FleetConfig, simulate
+from bench.fleet.sim import REPLICATION_EVERY, Fleet, FleetConfig, simulate
 from bench.fleet.workload import HASH_STRIDE, PromptSource, arrivals
 from simengine.block_pool import BlockPool
 from simengine.events import EventSink
@@ -38,6 +40,32 @@ def test_same_seed_same_figures(policy, word_ids):
     assert a.ttft_s == b.ttft_s and a.e2e_s == b.e2e_s
     assert (a.hits, a.queries, a.output_tokens) == (b.hits, b.queries, b.output_tokens)
     assert len(a.ttft_s) == len(ROWS) and a.output_tokens == sum(r["output_length"] for r in ROWS)
+
+
+def test_replication_is_sampled_only_where_asked(word_ids):
+    """Round robin puts prompts sharing their first two 512-token blocks on both instances: the sample sees those
+    held twice (and the rest once); a run that does not ask skips the pass over every cache."""
+    rows = [
+        {"timestamp": 100 * i, "input_length": 1100, "output_length": 2, "hash_ids": [0, 1, 2 + i]}
+        for i in range(REPLICATION_EVERY)
+    ]
+    runs = [
+        simulate(
+            FleetConfig(
+                instances=2,
+                policy="round_robin",
+                engine=EngineSpec(npu_blocks=512),
+                sample_replication=asked,
+            ),
+            arrivals(rows, 1.0, seed=3),
+            word_ids,
+            seed=3,
+        )
+        for asked in (True, False)
+    ]
+    assert 0 < runs[0].replicated < 1
+    assert math.isnan(runs[1].replicated)
+    assert runs[0].ttft_s == runs[1].ttft_s
 
 
 def test_shared_prefixes_hit_and_ledger_drains(word_ids):
