@@ -119,10 +119,16 @@ class KvAffinity:
 
     def load_weight(self, request: RequestFacts, pool: Sequence[Candidate]) -> float:
         """`load_weight * min(1, pressure_scale * size / mean_load)`: the load weighs less as queues grow."""
+        return self._weight(
+            [prefill_cost(self.params, c, request.isl) for c in pool], [self.load(c) for c in pool]
+        )
+
+    def _weight(self, prefill: Sequence[float], loads: Sequence[float]) -> float:
+        """`load_weight` from the pool's prefill costs and loads (each candidate's, in one order)."""
         p = self.params
-        size = max(1.0, min(prefill_cost(p, c, request.isl) for c in pool))
+        size = max(1.0, min(prefill))
         self._mean_size = size if not self._mean_size else (1 - SIZE_EMA) * self._mean_size + SIZE_EMA * size
-        mean_load = sum(self.load(c) for c in pool) / len(pool)
+        mean_load = sum(loads) / len(loads)
         if not p.pressure_scale or not mean_load:
             return p.load_weight
         return p.load_weight * min(1.0, p.pressure_scale * self._mean_size / mean_load)
@@ -154,9 +160,15 @@ class KvAffinity:
                 )
                 for c in pool
             }
-        else:
-            weight = self.load_weight(request, pool)
-            keys = {c.instance_id: (self.cost(request, c, weight), c.inflight) for c in pool}
+        else:  # each candidate's prefill cost and load once (a decision over 512 instances reads them twice)
+            prefill = [prefill_cost(p, c, request.isl) for c in pool]
+            loads = [self.load(c) for c in pool]
+            weight = self._weight(prefill, loads)
+            scale = p.prefill_load_scale
+            keys = {
+                c.instance_id: (scale * cost + weight * load, c.inflight)
+                for c, cost, load in zip(pool, prefill, loads, strict=True)
+            }
         best = min(keys.values())
         return self._rotation.choose([c for c in pool if keys[c.instance_id] == best])
 
