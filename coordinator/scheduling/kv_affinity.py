@@ -160,7 +160,7 @@ class KvAffinity:
                 )
                 for c in pool
             }
-        else:  # each candidate's prefill cost and load once (a decision over 512 instances reads them twice)
+        else:  # each candidate's prefill cost and load once, for the weight and the blend alike
             prefill = [prefill_cost(p, c, request.isl) for c in pool]
             loads = [self.load(c) for c in pool]
             weight = self._weight(prefill, loads)
