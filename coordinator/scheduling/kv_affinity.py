@@ -133,6 +133,14 @@ class KvAffinity:
             return p.load_weight
         return p.load_weight * min(1.0, p.pressure_scale * self._mean_size / mean_load)
 
+    def blend_costs(self, request: RequestFacts, pool: Sequence[Candidate]) -> list[float]:
+        """Each candidate's blend cost, in pool order, at the pool's load weight (one pass over the candidates)."""
+        prefill = [prefill_cost(self.params, c, request.isl) for c in pool]
+        loads = [self.load(c) for c in pool]
+        weight = self._weight(prefill, loads)
+        scale = self.params.prefill_load_scale
+        return [scale * cost + weight * load for cost, load in zip(prefill, loads, strict=True)]
+
     def cost(self, request: RequestFacts, c: Candidate, weight: float) -> float:
         """The blend cost of one candidate."""
         p = self.params
@@ -160,15 +168,9 @@ class KvAffinity:
                 )
                 for c in pool
             }
-        else:  # each candidate's prefill cost and load once, for the weight and the blend alike
-            prefill = [prefill_cost(p, c, request.isl) for c in pool]
-            loads = [self.load(c) for c in pool]
-            weight = self._weight(prefill, loads)
-            scale = p.prefill_load_scale
-            keys = {
-                c.instance_id: (scale * cost + weight * load, c.inflight)
-                for c, cost, load in zip(pool, prefill, loads, strict=True)
-            }
+        else:
+            costs = self.blend_costs(request, pool)
+            keys = {c.instance_id: (cost, c.inflight) for c, cost in zip(pool, costs, strict=True)}
         best = min(keys.values())
         return self._rotation.choose([c for c in pool if keys[c.instance_id] == best])
 

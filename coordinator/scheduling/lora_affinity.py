@@ -129,7 +129,7 @@ class LoraAffinity:
     def scores(self, request: RequestFacts, pool: Sequence[Candidate]) -> dict[str, float]:
         """Each candidate's score (lower is better); blocked candidates are left out while any other remains."""
         p, adapter = self.params, request.adapter
-        weight = self.kv.load_weight(request, pool)
+        blend = dict(zip((c.instance_id for c in pool), self.kv.blend_costs(request, pool), strict=True))
         now = max((c.state.load.sampled_at for c in pool), default=0.0)
         views = {c.instance_id: slots(c, adapter, self._recent(c.instance_id, now)) for c in pool}
         held = any(v.resident for v in views.values())
@@ -137,7 +137,7 @@ class LoraAffinity:
         out: dict[str, float] = {}
         for c in open_:
             v = views[c.instance_id]
-            cost = self.kv.cost(request, c, weight)
+            cost = blend[c.instance_id]
             if not v.resident:
                 load = cold_tokens(p, c) + (0.0 if v.free else evict_tokens(p, c, self._victim_rate(c, now)))
                 cost += p.spread_factor * load if held else load
