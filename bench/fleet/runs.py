@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +61,20 @@ def run_one(job: tuple[FleetConfig, Workload]) -> FleetResult:
     return simulate(cfg, work.arrivals(), _token_ids(), work.seed)
 
 
+def collector_paused(run: Callable[[J], R], job: J) -> R:
+    """`run(job)` with CPython's cyclic garbage collector off. A simulation holds millions of long-lived objects
+    (every engine's blocks, the conductor's index) that each of the collector's passes walks again, and makes
+    almost no reference cycles: the passes took a quarter of a 4-instance routing cell's time and 45% of a
+    512-instance run's, for the same results and the same peak memory (reference counting frees the rest)."""
+    if not gc.isenabled():
+        return run(job)
+    gc.disable()
+    try:
+        return run(job)
+    finally:
+        gc.enable()
+
+
 def run_many(jobs: Sequence[J], workers: int = 0, progress=None, run: Callable[[J], R] = run_one) -> list[R]:
     """`run(job)` for every job (by default a simulation), in `workers` processes (0: one per core; `run` and the
     jobs must pickle), results in job order; `progress(1)` after each."""
@@ -67,13 +82,13 @@ def run_many(jobs: Sequence[J], workers: int = 0, progress=None, run: Callable[[
     if workers == 1 or len(jobs) <= 1:
         out = []
         for job in jobs:
-            out.append(run(job))
+            out.append(collector_paused(run, job))
             if progress is not None:
                 progress(1)
         return out
     results: list[Any] = [None] * len(jobs)
     with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
-        futures = {pool.submit(run, job): i for i, job in enumerate(jobs)}
+        futures = {pool.submit(collector_paused, run, job): i for i, job in enumerate(jobs)}
         for fut in as_completed(futures):
             results[futures[fut]] = fut.result()
             if progress is not None:

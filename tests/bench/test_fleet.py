@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
 
-from bench.fleet.instance import EngineSpec, LazyBlockPool
+from bench.fleet.instance import EngineSpec, LazyBlockPool, RememberingHasher
+from bench.fleet.runs import collector_paused, run_many
 from bench.fleet.sim import REPLICATION_EVERY, Fleet, FleetConfig, simulate
 from bench.fleet.workload import HASH_STRIDE, PromptSource, arrivals
+from simengine.block_hash import BlockHasher
 from simengine.block_pool import BlockPool
 from simengine.events import EventSink
 from tandem.tokenizer import load_tokenizer
@@ -126,6 +129,45 @@ def test_lazy_pool_allocates_in_the_order_of_the_eager_pool():
         order[0] == order[1] == [1, 0, 4, 5]
     )  # freed uncached blocks first (vLLM 0.32), then never-used ones
     assert eager.usage() == lazy.usage() == 1.0
+
+
+def test_remembering_hasher_gives_vllms_digests_and_forgets_past_its_limit():
+    plain, remembering = BlockHasher(), RememberingHasher(limit=3)
+    blocks = [
+        (None, list(range(16)), None),
+        (b"p" * 32, [7] * 16, (("cache_salt", "s"),)),
+        (None, [1] * 16, None),
+    ]
+    for _ in range(2):  # the second pass answers from memory
+        for parent, tokens, extra in blocks:
+            assert remembering.hash_block(parent, tokens, extra) == plain.hash_block(parent, tokens, extra)
+    assert len(remembering._memo) == 3
+    assert remembering.hash_block(None, [2] * 16) == plain.hash_block(None, [2] * 16)
+    assert len(remembering._memo) == 1  # full: forgotten at once, then the new block remembered
+
+
+def _collector_state(_job) -> bool:
+    return gc.isenabled()
+
+
+def _fail(_job):
+    raise RuntimeError("boom")
+
+
+def test_simulations_run_with_the_cyclic_collector_paused_and_restore_it():
+    assert gc.isenabled()
+    assert run_many([1, 2], workers=1, run=_collector_state) == [False, False]
+    assert run_many([1, 2], workers=2, run=_collector_state) == [False, False]  # in the pool's processes too
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        collector_paused(_fail, 0)
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a caller that paused it itself gets it back paused
+        assert collector_paused(_collector_state, 0) is False
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def _signal_run(word_ids, signal, faults=None, rate=4.0):
