@@ -28,7 +28,6 @@ def event_extra_keys(request: Request, block_index: int) -> tuple | None:
     the bare salt."""
     keys = block_extra_keys(request, block_index)
     return None if keys is None else tuple(key[1] for key in keys)
-    return None
 
 
 @dataclass(slots=True)
