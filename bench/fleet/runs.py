@@ -64,8 +64,9 @@ def run_one(job: tuple[FleetConfig, Workload]) -> FleetResult:
 def collector_paused(run: Callable[[J], R], job: J) -> R:
     """`run(job)` with CPython's cyclic garbage collector off. A simulation holds millions of long-lived objects
     (every engine's blocks, the conductor's index) that each of the collector's passes walks again, and makes
-    almost no reference cycles: the passes took a quarter of a 4-instance routing cell's time and 45% of a
-    512-instance run's, for the same results and the same peak memory (reference counting frees the rest)."""
+    almost no reference cycles: the passes took a quarter of a 4-instance routing cell's time and 13-45% of a
+    512-instance run's (the more requests, the more), for the same results and the same peak memory (reference
+    counting frees the rest)."""
     if not gc.isenabled():
         return run(job)
     gc.disable()
