@@ -22,7 +22,7 @@ from coordinator.adapter_placement import AdapterHolds
 from coordinator.api_keys import ApiKeys
 from coordinator.attempts import AttemptRegistry
 from coordinator.capacity import DemandMeter, Limits, Sizing, fleet_sizing
-from coordinator.config import MeshView, SchedulerConfig
+from coordinator.config import MeshView, PdMode, SchedulerConfig
 from coordinator.config_watch import watch_config
 from coordinator.decision import Decider
 from coordinator.etcd_state import EtcdState
@@ -357,6 +357,9 @@ async def run(
         await c.shared.start(c.picker.instances)
         c.matcher.start()
         section = mesh.coordinator
+        if section.pd_mode is not PdMode.AGGREGATED and c.decider is not None:
+            # P/D may send prefill legs: their HTTP client is imported off the loop now, not on the first leg.
+            tasks.append(asyncio.create_task(c.decider.handoff.warm()))
         tasks.append(
             asyncio.create_task(
                 expire_silent(

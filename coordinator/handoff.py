@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -73,9 +74,15 @@ class HandoffRunner:
         self.attempts = attempts
         self._session: aiohttp.ClientSession | None = None
 
+    async def warm(self) -> None:
+        """Imports the HTTP client in a worker thread (`coordinator.app` calls it once serving, unless the mesh is
+        aggregated). Not at start: aiohttp's import, a quarter of a second or more, would be a restarted
+        coordinator's time out of service. Not at the first prefill leg either: on the event loop it stalled every
+        decision in flight for as long (a fresh P/D mesh's first burst waited 0.2-0.25 s, `bench.pd`)."""
+        await asyncio.to_thread(importlib.import_module, "aiohttp")
+
     def _client(self) -> aiohttp.ClientSession:
-        # Imported at the first prefill leg, not at start: aiohttp's import is a quarter of a second or more of a
-        # restarted coordinator's time out of service, and only P/D meshes send legs.
+        # Imported by `warm` already, unless a leg comes while it runs: then this waits for it, once.
         import aiohttp
 
         if self._session is None or self._session.closed:

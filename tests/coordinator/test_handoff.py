@@ -152,3 +152,17 @@ async def test_prefill_params_naming_another_host_never_reach_the_decode_engine(
     assert info.value.status == 503 and "remote_host '10.9.9.9'" in info.value.message and len(seen) == 1
     picker.release(decision.target)
     assert picker.ledger.total_requests == 0
+
+
+async def test_warm_imports_the_http_client_in_a_worker_thread(monkeypatch):
+    import threading
+
+    from coordinator import handoff
+
+    calls = []
+    monkeypatch.setattr(
+        handoff.importlib, "import_module", lambda name: calls.append((name, threading.get_ident()))
+    )
+    runner = HandoffRunner(pd_picker([]), 5.0, 2)
+    await runner.warm()
+    assert calls and calls[0][0] == "aiohttp" and calls[0][1] != threading.get_ident()
