@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=120)
     # Speedup 2.5 and arrivals / 1 are the simulated load of the earlier speedup 5 and arrivals / 2, with the
     # mesh's own wall-clock costs (Envoy, the coordinator, HTTP, the client) magnified half as much in simulated
-    # time: at speedup 5 they put the real side 7-15% above the simulator on mean TTFT, at 2.5 within 5%.
+    # time: at speedup 5 they put the real side 7-15% above the simulator on mean TTFT, at 2.5 within 5% except
+    # `adaptive`'s row (docs/pd.md, "The simulator against the real-time mesh").
     parser.add_argument("--time-scale", type=float, default=1.0, help="arrivals compressed by this factor")
     parser.add_argument("--speedup", type=float, default=2.5, help="simengine --speedup")
     parser.add_argument("--max-input", type=int, default=4096)

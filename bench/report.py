@@ -119,7 +119,11 @@ kv_affinity) and disaggregated (2 prefill + 2 decode) in handoff and trigger mod
 a fresh mesh per row; then the fleet simulator replays the same slice with the same engines, split and rule, so
 each row checks the simulator's P/D model (issue 21's bar: within 10% on mean TTFT). The engines run at speedup 2.5:
 the mesh's own wall-clock costs (Envoy, the coordinator, HTTP, the client on the same 2 cores) count speedup times
-over in simulated ms, and at speedup 5 they put the real side 7-15% above the simulator. The answer to "should this
+over in simulated ms, and at speedup 5 they put the real side 7-15% above the simulator. The `adaptive` row is
+further off (9-14% in runs since its ITL bound), and docs/pd.md ("The simulator against the real-time mesh") finds
+why: the coordinator decides a burst's short prompts first (they are tokenized sooner) where the simulator keeps the
+trace's order, and about 45 wall ms per P/D request in a burst count 2.5 times over (at speedup 1.25 the row is 6%
+off). The answer to "should this
 workload be disaggregated" is in the aggregated row against the others: a prompt-heavy chat slice (outputs of 32
 tokens at most) with half the engines able to prefill loses TTFT to aggregated serving, as the simulator's P/D
 table below finds at every split.""",
