@@ -10,14 +10,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Runs a plain-text coordinator of a P/D mesh (no engines, no request) in a fresh interpreter and prints which
-#: thread imported aiohttp and whether the coordinator was serving by then, or null after 30 s.
+#: Runs a plain-text coordinator of a P/D mesh (no engines, no request) in a fresh interpreter and prints the name
+#: of the thread that imported aiohttp, or null when nothing did within 30 s.
 SCRIPT = textwrap.dedent(
     """
     import asyncio, json, os, signal, sys, threading
-    from coordinator import app
-    from mesh.config import parse_mesh_config
-    from tests.helpers import mesh_config
 
     seen = {}
 
@@ -28,6 +25,10 @@ SCRIPT = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Spy())
+    from coordinator import app
+    from mesh.config import parse_mesh_config
+    from tests.helpers import mesh_config
+
     config = mesh_config(engines=1)
     config["node_agents"] = []
     config["coordinator"]["pd_mode"] = "prefill_handoff_decode"
