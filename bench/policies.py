@@ -124,8 +124,8 @@ def run_row(
 
 
 def run_row_isolated(label: str, args, requests, workdir: Path) -> Row:
-    """`run_row` in a fresh interpreter: a mesh started as the second one of a process measured slower for
-    kv_affinity (reproducibly, cause not found), so each row gets its own client process."""
+    """`run_row` in a fresh interpreter, so that no row inherits another's client state (a kv_affinity mesh started
+    second by one process once measured 16-25% slower, 2026-12-02; three runs on 2026-12-07 no longer did)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 

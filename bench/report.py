@@ -111,9 +111,10 @@ prediction (`Admin/ListDecisions`) with the engine's own per-request `cached_tok
     "validate": """Small enough to run in real time: 2 engines at speedup 2, 150 requests, arrivals x0.625 (the same
 load per engine as the replay above). The real-time rows are `bench.policies` replays; the simulator replays the
 same token ids with the same policies objects, the conductor's index and simengine's scheduler, cache and timing
-model in virtual time. Each real-time row runs in a fresh client process: when the kv_affinity mesh was the second one
-started by the same process, its real-time TTFT came out 16-25% above the simulator's, reproducibly (four runs),
-while as the first or only one it agreed within 4% (three runs); the cause is not found yet.""",
+model in virtual time. Each real-time row runs in a fresh client process, so that no row inherits another's client
+state. On 2026-12-02 a kv_affinity mesh started second by the same process came out 16-25% above the simulator (four
+runs) and within 4% as the first or only one; on 2026-12-07 three runs started second gave 2,272-2,296 simulated ms
+against 2,291 alone and the simulator's 2,399, so that effect is gone (its cause was never found).""",
     "pd": """From issue 21: the same 4 simengines on one node serve a Mooncake slice aggregated (all hybrid,
 kv_affinity) and disaggregated (2 prefill + 2 decode) in handoff and trigger mode under each `scheduler.pd_choice`,
 a fresh mesh per row; then the fleet simulator replays the same slice with the same engines, split and rule, so
