@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -41,6 +42,15 @@ def test_trace_in_the_repository_is_the_one_its_readme_describes(name):
         for h in r["hash_ids"]:
             assert h <= seen + 1
             seen = max(seen, h)
+
+
+def test_conversation_arrivals_come_in_groups_three_seconds_apart_as_the_readme_says():
+    rows = [json.loads(line) for line in find_trace("conversation").read_text().splitlines()]
+    groups = collections.Counter(r["timestamp"] for r in rows)
+    instants = sorted(groups)
+    assert len(instants) == 1180 and max(groups.values()) == 28 and min(groups.values()) > 1
+    assert all(2997 <= b - a <= 3003 for a, b in itertools.pairwise(instants))
+    assert "1,180 instants 3 s apart" in (DATA / "README.md").read_text()
 
 
 def test_replayed_prompts_share_exactly_the_blocks_their_hash_ids_share():
