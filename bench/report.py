@@ -158,7 +158,9 @@ ask agents to preload or unload adapters.""",
 8 instances at arrivals x2.5, so the load per instance is that of the replay above at every size. TTFT and hit
 rate are simulated; decision time is the wall-clock cost per request of the coordinator's and conductor's own
 Python in-process (Match: chain hashing and index walk; candidates: the per-instance ledger view; pick: the
-policy), which grows with the number of instances; gRPC and Envoy are not included. When this section's date
+policy), which grows with the number of instances; gRPC and Envoy are not included, nor (since 2026-12-07) the
+cyclic garbage collector's passes over the simulator's own heap, which the real coordinator does not hold (the
+simulations run with the collector paused: `bench.fleet.runs.collector_paused`). When this section's date
 predates the routing section, it was measured before issue 11 (prefill released at response end, old
 kv_affinity defaults); `make bench` re-runs it.""",
     "fleet_pd": """From issue 21: the fleet simulator with prefill and decode instances (simengine's instance model
