@@ -1,10 +1,12 @@
 """P/D handoff: the prefill leg's body, retries on another prefill instance, and workload release."""
 
 import json
+import threading
 
 import pytest
 from aiohttp import web
 
+from coordinator import handoff
 from coordinator.config import PdMode
 from coordinator.errors import OpenAIError
 from coordinator.handoff import HandoffRunner, decode_body, prefill_body
@@ -155,10 +157,6 @@ async def test_prefill_params_naming_another_host_never_reach_the_decode_engine(
 
 
 async def test_warm_imports_the_http_client_in_a_worker_thread(monkeypatch):
-    import threading
-
-    from coordinator import handoff
-
     calls = []
     monkeypatch.setattr(
         handoff.importlib, "import_module", lambda name: calls.append((name, threading.get_ident()))
