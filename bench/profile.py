@@ -57,6 +57,10 @@ IDLE = (
 IDLE_PYTHON = re.compile(
     r"(^|\.)(wait|get|_recv|_recv_bytes|recv_bytes) \((threading|queue|multiprocessing/\w+)\.py\)$"
 )
+#: CPython blocking a thread on a lock, whatever Python frame asked (a thread pool's idle worker waits in
+#: `_queue.SimpleQueue.get`, whose innermost Python frame is the worker's loop): the futex under it is often
+#: unsymbolized.
+IDLE_LOCK = "PyThread_acquire_lock_timed ("
 #: Modules of a process's entry and event loop: in every sample, left out of the inclusive column.
 ENTRY = re.compile(r"\((<frozen runpy>|mesh/__main__\.py|mesh/cli\.py|tandem/process\.py|asyncio/runners\.py|"
                    r"uvloop/__init__\.py|threading\.py|multiprocessing/(spawn|process)\.py)\)$")  # fmt: skip
@@ -84,7 +88,7 @@ def aggregate(raw: str) -> tuple[int, int, collections.Counter, collections.Coun
             continue
         n, frames = int(count), stack.split(";")
         total += n
-        if frames[-1].startswith(IDLE):
+        if frames[-1].startswith(IDLE) or any(f.startswith(IDLE_LOCK) for f in frames):
             continue
         python = [short(f) for f in frames if ".py" in f or "<frozen" in f]
         inner = python[-1] if python else ""
