@@ -217,12 +217,12 @@ class KvEventRelay:
     async def _stream_once(self) -> None:
         async with aio_channel(self.conductor_address, self.tls, "conductor", CHANNEL_OPTIONS) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
-            # Before the call exists: it starts reading `_out` at once, and a live batch it sent ahead of the
-            # replays would make the conductor take that batch's sequence as the rank's start and skip the
-            # replayed ones before it as duplicates.
+            # Before anything is written: a live batch sent ahead of the replays would make the conductor take
+            # that batch's sequence as the rank's start and skip the replayed ones before it as duplicates.
             self._rebuild()
-            call = stub.Ingest(self._requests())
+            call = stub.Ingest()
             closed = asyncio.ensure_future(self._closed.wait())
+            writer = reader = None
             try:
                 connected = asyncio.ensure_future(call.wait_for_connection())
                 await asyncio.wait({connected, closed}, return_when=asyncio.FIRST_COMPLETED)
@@ -235,18 +235,20 @@ class KvEventRelay:
                 log.info(
                     "conductor stream up", extra={"conductor": self.conductor_address, "node": self.node_id}
                 )
+                writer = asyncio.ensure_future(self._write(call))
                 reader = asyncio.ensure_future(self._read_replies(call))
-                await asyncio.wait({reader, closed}, return_when=asyncio.FIRST_COMPLETED)
-                if reader.done():
-                    reader.result()
-                else:
-                    reader.cancel()
+                await asyncio.wait({writer, reader, closed}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (writer, reader):
+                    if task.done():
+                        task.result()  # the stream's error, if it failed
             finally:
                 closed.cancel()
                 call.cancel()
-                for t in list(self._replaying):  # replays of a dead stream restart on the next one
+                ended = [t for t in (writer, reader) if t is not None]
+                ended += self._replaying  # replays of a dead stream restart on the next one
+                for t in ended:
                     t.cancel()
-                await asyncio.gather(*self._replaying, return_exceptions=True)
+                await asyncio.gather(*ended, return_exceptions=True)
 
     def _rebuild(self) -> None:
         """On a new stream: replay every rank from 0 so a restarted conductor rebuilds its index.
@@ -273,6 +275,17 @@ class KvEventRelay:
         t.add_done_callback(self._replaying.discard)
         src.replays.add(t)
         t.add_done_callback(src.replays.discard)
+
+    async def _write(self, call) -> None:
+        """Writes the stream's messages, in a task of the relay's own that ends with the stream. (Given a request
+        iterator instead, grpc leaves its reader running once the call has failed, and that reader took the next
+        stream's first batches, its replay, and lost them.)"""
+        async with contextlib.aclosing(self._requests()) as messages:
+            async for message in messages:
+                try:
+                    await call.write(message)
+                except asyncio.InvalidStateError:  # the call ended under the write: its status says why
+                    raise ConnectionError(f"Ingest stream ended: {await call.code()}") from None
 
     async def _requests(self):
         """The stream's messages: a control message alone, batches together with those queued behind them."""

@@ -113,6 +113,22 @@ async def test_restarted_conductor_rebuilds_from_replay(env):
     assert server.conductor.core.tracker.counters.gaps == 0
 
 
+async def test_a_conductor_restarted_while_the_engine_is_quiet_gets_the_whole_replay(env):
+    # The dead stream's writer must not outlive it: one left waiting for the queue took the new stream's first
+    # replayed batch and lost it (the rebuilt index lacked the prompt's first blocks).
+    engine, server, relay = env
+    await eventually(lambda: engine.replay_requests == [0])
+    engine.publish([stored([1, 2], None, PROMPT[:8], BS)])
+    engine.publish([stored([3, 4], 2, PROMPT[8:16], BS, "CPU")])
+    await eventually(lambda: events(server) == 2)
+    await server.stop()
+    await eventually(lambda: not relay.connected.is_set())
+    await server.start()  # nothing was published meanwhile
+    await eventually(lambda: relay.connects == 2)
+    await eventually(lambda: events(server) == 2)
+    assert hits(server) == {"inst-1": [(1, 2, 2, 0)]}
+
+
 async def test_a_burst_waits_in_zmq_rather_than_being_dropped_and_replayed():
     ctx = zmq.asyncio.Context()
     engine = FakeEngine(ctx, topic=b"")
@@ -151,9 +167,12 @@ async def test_a_burst_waits_in_zmq_rather_than_being_dropped_and_replayed():
         ctx.destroy(linger=0)
 
 
+def batch(seq: int):
+    return batch_to_pb(EventBatch(0.0, []), "inst-1", 0, seq, "m", BS, False)
+
+
 async def test_queued_batches_travel_together_and_keep_their_order_with_control_messages():
     relay = KvEventRelay("127.0.0.1:1", "node-x")  # nothing is sent: the stream's messages are read here
-    batch = lambda seq: batch_to_pb(EventBatch(0.0, []), "inst-1", 0, seq, "m", BS, False)  # noqa: E731
     relay._send(batch(0))
     relay._send(batch(1))
     relay.remove_source("gone")  # InstanceGone, queued between the batches
