@@ -187,6 +187,22 @@ async def test_queued_batches_travel_together_and_keep_their_order_with_control_
     await relay.close()
 
 
+@pytest.mark.parametrize("linger_s", [0.0, 1.0])
+async def test_a_batch_alone_waits_the_linger_for_the_next_ones_to_join_its_message(linger_s):
+    relay = KvEventRelay("127.0.0.1:1", "node-x", coalesce_linger_s=linger_s)
+    relay._send(batch(0))
+    messages = relay._requests()
+    first = asyncio.ensure_future(anext(messages))
+    await eventually(relay._out.empty)  # batch 0 taken, nothing behind it
+    relay._send(batch(1))  # within the linger (if any)
+    sent = [await asyncio.wait_for(first, 10)]
+    if linger_s == 0:  # no linger: batch 0 left alone, batch 1 follows in a message of its own
+        sent.append(await asyncio.wait_for(anext(messages), 10))
+    assert [[b.sequence for b in m.batches.batches] for m in sent] == ([[0, 1]] if linger_s else [[0], [1]])
+    await messages.aclose()
+    await relay.close()
+
+
 async def test_queue_is_bounded_and_drops_are_counted():
     relay = KvEventRelay("127.0.0.1:1", "node-x", queue_size=2)
     for i in range(5):
