@@ -62,11 +62,13 @@ the conductor and the node agent while the overhead benchmark's non-streaming lo
 (`kv_affinity`, plain text). The tables list the frames holding the most busy samples; "event loop / gRPC core"
 is time with no Python frame below the event loop (gRPC's C core, uvloop, syscalls). What they say: about half of
 the coordinator's busy time is gRPC message handling (the event loop's core, the Match stream's writes and reads)
-and a third is the decision itself (understanding the body, the Match round trip, the policy), the policy's own
+and a quarter is the decision itself (understanding the body, the Match round trip, the policy), the policy's own
 Python a few percent; so the cut that remains is fewer messages per request (a local replica of the index in place
 of the Match round trip, or Match requests coalesced per event-loop turn), not faster Python. The conductor's is
 the Match stream and the KV batches' decoding; the agent's, reading the engines' KV events and writing them to
-the conductor's stream.""",
+the conductor's stream (batches that find nothing queued behind them wait 10 ms for others, so a steady load
+travels in about a third of the messages). A thread blocked on a lock or a queue (an idle pool worker) counts as
+waiting.""",
     "decision_stall": """The coordinator's decision service alone (its ext_proc servicer over gRPC, no Envoy, no
 engines): small requests at concurrency 16 with one 1 MiB prompt per 100 of them, each variant in a fresh
 coordinator process. Parsing and tokenizing inline on the event loop stalls every decision behind a huge
