@@ -41,11 +41,11 @@ class Workload:
     rate: float = 1.25  # arrival compression (simulated time)
     max_input: int = 8192
     max_output: int = 64
-    seed: int = 0
+    seed: int = 0  # a generated workload's seed (`bench.workloads`); the copies' time shifts
     copies: int = 1  # independent copies of the trace (disjoint prefixes), for larger fleets
 
     def arrivals(self):
-        rows = load_rows(self.trace, self.requests, self.max_input, self.max_output)
+        rows = load_rows(self.trace, self.requests, self.max_input, self.max_output, seed=self.seed)
         return arrivals(rows, self.rate, self.copies, self.seed)
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.fleet.instance import EngineSpec, LazyBlockPool, RememberingHasher
-from bench.fleet.runs import collector_paused, run_many
+from bench.fleet.runs import Workload, collector_paused, run_many
 from bench.fleet.sim import REPLICATION_EVERY, Fleet, FleetConfig, simulate
 from bench.fleet.workload import HASH_STRIDE, PromptSource, arrivals
 from simengine.block_hash import BlockHasher
@@ -107,6 +107,14 @@ def test_copies_are_disjoint_and_keep_copy_zero(word_ids):
     assert one[1].at_s == pytest.approx(0.05)
     ids = {a.key // len(ROWS): {h // HASH_STRIDE for h in a.hash_ids} for a in three}
     assert ids == {0: {0}, 1: {1}, 2: {2}}
+
+
+def test_a_generated_workload_follows_its_seed():
+    """`bench.fleet rows --trace tenants_rag --seed N` replays the workload generated with seed N (it replayed seed 0's
+    whatever N was)."""
+    one, seven = Workload("tenants_rag", 40, seed=1), Workload("tenants_rag", 40, seed=7)
+    assert [a.hash_ids for a in one.arrivals()] == [a.hash_ids for a in one.arrivals()]
+    assert [a.hash_ids for a in one.arrivals()] != [a.hash_ids for a in seven.arrivals()]
 
 
 def test_prompt_text_round_trips_and_blocks_repeat(word_ids):
