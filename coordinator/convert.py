@@ -90,6 +90,7 @@ def load_from_proto(msg: common_pb2.InstanceLoad) -> EngineLoad:
     load.adapters = frozenset(msg.loaded_adapters)  # LoRA adapters the engine serves, and its slots
     load.max_loras = msg.max_loras
     load.kv_transfers, load.kv_transfer_failures = msg.kv_transfers_total, msg.kv_transfer_failures_total
+    load.kv_blocks = msg.kv_blocks
     return load
 
 
@@ -119,6 +120,7 @@ def status_to_proto(state: InstanceState, ledger) -> admin_pb2.InstanceStatus:
             max_loras=load.max_loras,
             kv_transfer_failures_total=load.kv_transfer_failures,
             kv_transfers_total=load.kv_transfers,
+            kv_blocks=load.kv_blocks,
         ),
         drained=state.drained,
         workload_tokens=ledger.tokens(iid),

@@ -113,6 +113,7 @@ def heartbeat_message(sup: EngineSupervisor) -> registry_pb2.HeartbeatRequest:
             max_loras=sup.engine.lora_slots if sup.engine is not None and sup.engine.lora_enabled else 0,
             kv_transfer_failures_total=sup.load.kv_transfer_failures,
             kv_transfers_total=sup.load.kv_transfers,
+            kv_blocks=sup.load.kv_blocks,
         ),
     )
 

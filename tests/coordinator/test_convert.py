@@ -11,6 +11,17 @@ def test_a_heartbeats_load_carries_the_engines_adapters_and_slots():
     assert load_from_proto(common_pb2.InstanceLoad()).adapters == frozenset()
 
 
+def test_a_heartbeats_cache_size_reaches_the_policies_and_admin():
+    from coordinator.convert import status_to_proto
+    from coordinator.instances import InstanceInfo, InstanceState
+    from coordinator.workload import WorkloadLedger
+
+    state = InstanceState(InstanceInfo("i0", "m", "127.0.0.1:1", "hybrid", "aggregated"))
+    state.load = load_from_proto(common_pb2.InstanceLoad(kv_blocks=1024))
+    assert state.load.kv_blocks == 1024
+    assert status_to_proto(state, WorkloadLedger()).load.kv_blocks == 1024
+
+
 def test_admin_shows_an_instances_adapters_and_slots():
     from coordinator.convert import status_to_proto
     from coordinator.instances import InstanceInfo, InstanceState

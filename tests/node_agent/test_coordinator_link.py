@@ -15,7 +15,7 @@ from node_agent.launch import LaunchSpec
 from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams
 from tandem.v1 import registry_pb2_grpc
 from tests.helpers import eventually, free_port
-from tests.node_agent.test_supervision import FakeRegistry
+from tests.node_agent.test_supervision import FakeRegistry, serving, sim_node
 
 
 async def serve(registry: FakeRegistry, port: int) -> grpc.aio.Server:
@@ -155,3 +155,23 @@ def test_only_a_stream_that_failed_at_once_is_reopened_after_a_pause():
         reconnect_delay(30.0) == 0.0
     )  # it had lived: its coordinator went away, the new stream waits for it
     assert reconnect_delay(0.01) == RECONNECT_S  # refused at once: no busy loop
+
+
+async def test_heartbeats_carry_the_engines_cache_size(tmp_path):
+    """The coordinator's P/D sizing bounds a decode batch by each engine's KV blocks (`vllm:cache_config_info`): a
+    simengine launched with `--npu-blocks 1024` is reported with 1,024. Bounded: one engine, 30 s at most."""
+    from node_agent.app import NodeAgent
+    from tests.node_agent.test_adapters import LoadRegistry
+
+    async with serving(LoadRegistry()) as registry:
+        config = sim_node(tmp_path, registry.address, "--speedup", "50", "--npu-blocks", "1024")
+        agent = NodeAgent(config, registry.address, "127.0.0.1:1")
+        await agent.start()
+        try:
+            await eventually(
+                lambda: "sim-0" in registry.beats and registry.beats["sim-0"].load.kv_blocks == 1024,
+                30,
+                "a heartbeat with the engine's 1,024 blocks",
+            )
+        finally:
+            await agent.stop()
