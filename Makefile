@@ -91,7 +91,7 @@ lint: setup ## ruff (lint and format), the import-layer contracts, mypy over the
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-# Benchmarks need the peer routers and tqdm (the `bench` extra); about 39 minutes on 2 cores, alone.
+# Benchmarks need the peer routers and tqdm (the `bench` extra); about 50 minutes on 2 cores, alone.
 bench: setup $(VENV)/.bench-installed ## every benchmark; writes docs/benchmarks.md
 	$(BIN)/python -m bench.all
 

@@ -1,4 +1,4 @@
-"""`make bench`: every benchmark at a size that fits 2 cores in about 40 minutes, then `docs/benchmarks.md`.
+"""`make bench`: every benchmark at a size that fits 2 cores in about 50 minutes, then `docs/benchmarks.md`.
 
     python -m bench.all [--docs docs] [--only overhead policies ...]
 
@@ -100,6 +100,16 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
         "pressure/policies.md",
     ),
     (
+        "policies_pressure_moderate",
+        "Trace replay under cache pressure at half that load: the same engines and population, three runs per row",
+        [
+            *"bench.policies --trace tenants_rag --seed 7 --requests 400 --npu-blocks 1024 --speedup 5".split(),
+            *"--match-timeout-ms 100 --load 0.25 --repeats 3 --output-dir {out}/pressure-moderate".split(),
+            *["--policies", "kv_affinity", "sglang-router cache_aware", "vllm-router cache_aware"],
+        ],
+        "pressure-moderate/policies.md",
+    ),
+    (
         "sli",
         "Routing-quality SLI: predicted against delivered cache hits per instance on the held-out reuse workload",
         ["bench.sli", "--requests", "400", "--output", "{out}/sli.md"],
@@ -191,8 +201,8 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
 #: its load has decayed by the next real-time step; the chaos soak (about 20 processes) last, with nothing after it
 #: to wait for the load it leaves.
 RUN_ORDER = [
-    "overhead", "envoy_cost", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure", "sli",
-    "pd", "validate",
+    "overhead", "envoy_cost", "decision_stall", "mtls", "sglang_parity", "policies", "policies_pressure",
+    "policies_pressure_moderate", "sli", "pd", "validate",
     "simengine", "conductor", "kv_relay", "replicas", "profile", "signal", "routing", "fleet_pd", "overload",
     "overload_mixed", "lora",
     "scale", "chaos",
@@ -204,8 +214,8 @@ STDERR_TAIL_LINES = 40
 #: Steps timed on the wall clock (engines, meshes, routers, real-time replays): each starts only once the load
 #: average has fallen to SETTLED_LOAD (the simulator's steps keep both cores busy), waiting at most `--settle-s`.
 REAL_TIME = {
-    "overhead", "envoy_cost", "decision_stall", "mtls", "policies", "policies_pressure", "sli", "pd", "validate",
-    "replicas",
+    "overhead", "envoy_cost", "decision_stall", "mtls", "policies", "policies_pressure", "policies_pressure_moderate",
+    "sli", "pd", "validate", "replicas",
     "chaos", "simengine", "conductor", "kv_relay",
 }  # fmt: skip
 SETTLED_LOAD = 1.0
@@ -216,6 +226,7 @@ PLOTS = {
     "scale": "fleet-scale.png",
     "routing": "fleet-routing.png",
     "policies_pressure": "pressure/policies.png",
+    "policies_pressure_moderate": "pressure-moderate/policies.png",
     "overload": "fleet-overload.png",
 }
 

@@ -105,6 +105,11 @@ three long prompts), a generated multi-tenant RAG workload (`tenants_rag`, seed 
 tables never tuned on), arrivals at 50% of round robin's prefill capacity with unbounded caches (queues build up
 with these caches), text prompts as real clients send them. Every row is replayed three times, rows interleaved,
 each in a fresh mesh; the second table gives the mean of the runs with half their range.""",
+    "policies_pressure_moderate": """The section above at 25% of round robin's prefill capacity (`--load 0.25`): the
+same 4 engines with 1,024 NPU blocks, the same `tenants_rag` seed 7 population as text prompts, three interleaved
+runs per row in fresh meshes. Queues stay short here, so what separates the rows is where each router keeps a
+tenant's prefix when a copy on an idle engine would answer sooner: the engines' hit rate column is the other half
+of issue 20's check (at least the peers').""",
     "sli": """Issue 25's check: the coordinator's prediction of each request's cache hit against what the engine
 found, per instance, on the held-out reuse workload of the section above (`tenants_rag`, seed 7, 1,024-block
 engines, 50% load) replayed once through a mesh on kv_affinity. The first columns are what an operator reads on
