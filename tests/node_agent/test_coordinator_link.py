@@ -9,12 +9,14 @@ import contextlib
 import grpc
 import pytest
 
+from node_agent.app import NodeAgent
 from node_agent.config import EngineConfig, RestartPolicy
 from node_agent.coordinator_link import RECONNECT_S, CoordinatorLink, reconnect_delay
 from node_agent.launch import LaunchSpec
 from node_agent.supervisor import EngineState, EngineSupervisor, SupervisorParams
 from tandem.v1 import registry_pb2_grpc
 from tests.helpers import eventually, free_port
+from tests.node_agent.test_adapters import LoadRegistry
 from tests.node_agent.test_supervision import FakeRegistry, serving, sim_node
 
 
@@ -160,9 +162,6 @@ def test_only_a_stream_that_failed_at_once_is_reopened_after_a_pause():
 async def test_heartbeats_carry_the_engines_cache_size(tmp_path):
     """The coordinator's P/D sizing bounds a decode batch by each engine's KV blocks (`vllm:cache_config_info`): a
     simengine launched with `--npu-blocks 1024` is reported with 1,024. Bounded: one engine, 30 s at most."""
-    from node_agent.app import NodeAgent
-    from tests.node_agent.test_adapters import LoadRegistry
-
     async with serving(LoadRegistry()) as registry:
         config = sim_node(tmp_path, registry.address, "--speedup", "50", "--npu-blocks", "1024")
         agent = NodeAgent(config, registry.address, "127.0.0.1:1")
