@@ -27,6 +27,17 @@ from tandem.version import __version__
 
 PY = "python"  # shown in the report; run with sys.executable
 
+
+def _pressure_replay(load: str, out: str) -> list[str]:
+    """The cache-pressure replay (4 engines of 1,024 blocks, the held-out tenants_rag population, the peer routers,
+    three runs per row) at `load` of round robin's capacity, written under `{out}/<out>`."""
+    return [
+        *"bench.policies --trace tenants_rag --seed 7 --requests 400 --npu-blocks 1024 --speedup 5".split(),
+        *f"--match-timeout-ms 100 --load {load} --repeats 3 --output-dir {{out}}/{out}".split(),
+        *["--policies", "kv_affinity", "sglang-router cache_aware", "vllm-router cache_aware"],
+    ]
+
+
 #: (name, title, argv after `python -m`, markdown piece it writes or None to keep its stdout)
 STEPS: list[tuple[str, str, list[str], str | None]] = [
     (
@@ -92,21 +103,13 @@ STEPS: list[tuple[str, str, list[str], str | None]] = [
     (
         "policies_pressure",
         "Trace replay under cache pressure: small engine caches, heavy load, three runs per row",
-        [
-            *"bench.policies --trace tenants_rag --seed 7 --requests 400 --npu-blocks 1024 --speedup 5".split(),
-            *"--match-timeout-ms 100 --load 0.5 --repeats 3 --output-dir {out}/pressure".split(),
-            *["--policies", "kv_affinity", "sglang-router cache_aware", "vllm-router cache_aware"],
-        ],
+        _pressure_replay("0.5", "pressure"),
         "pressure/policies.md",
     ),
     (
         "policies_pressure_moderate",
         "Trace replay under cache pressure at half that load: the same engines and population, three runs per row",
-        [
-            *"bench.policies --trace tenants_rag --seed 7 --requests 400 --npu-blocks 1024 --speedup 5".split(),
-            *"--match-timeout-ms 100 --load 0.25 --repeats 3 --output-dir {out}/pressure-moderate".split(),
-            *["--policies", "kv_affinity", "sglang-router cache_aware", "vllm-router cache_aware"],
-        ],
+        _pressure_replay("0.25", "pressure-moderate"),
         "pressure-moderate/policies.md",
     ),
     (
